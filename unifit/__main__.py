@@ -1,0 +1,3 @@
+from unifit.trainer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""Callbacks: checkpointing, TensorBoard, progress, early stopping, NaN guard, run directory."""
+
+from __future__ import annotations
+
+from unifit.callbacks.base import Callback
+from unifit.callbacks.checkpoint import ModelCheckpoint
+from unifit.callbacks.early_stopping import EarlyStopping
+from unifit.callbacks.nan_guard import NanGuard
+from unifit.callbacks.progress import ProgressBar
+from unifit.callbacks.run_directory import RunDirectory
+from unifit.callbacks.tensorboard import TensorBoardLogger
+from unifit.trainer.config import TrainerConfig
+
+__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "NanGuard", "ProgressBar", "RunDirectory",
+           "TensorBoardLogger", "default_callbacks"]
+
+
+def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
+    """The built-in callbacks a config asks for, in the order they must run:
+    the NaN guard before anything saves, early stopping before the checkpoint that follows it."""
+    callbacks: list[Callback] = []
+    if cfg.nan_guard.enabled:
+        callbacks.append(NanGuard(cfg.nan_guard))
+    if cfg.early_stopping is not None:
+        callbacks.append(EarlyStopping(cfg.early_stopping))
+    if cfg.checkpoint.enabled:
+        callbacks.append(ModelCheckpoint(cfg.checkpoint))
+    if cfg.tensorboard.enabled:
+        callbacks.append(TensorBoardLogger(cfg.tensorboard_dir, cfg.tensorboard.log_every_n_steps))
+    callbacks.append(RunDirectory(cfg.root_dir))
+    callbacks.append(ProgressBar(cfg.progress_bar))
+    return callbacks

@@ -1,0 +1,1 @@
+"""The framework axis: how a module's steps run, how data becomes batches, how state is saved."""

@@ -1,0 +1,94 @@
+"""The interface the Trainer uses to run a module, whatever its framework."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Iterable
+
+import numpy as np
+
+from unifit.strategies.base import Strategy
+from unifit.trainer.config import TrainerConfig
+from unifit.trainer.metrics import MetricCollector
+
+
+class Engine(ABC):
+    """Runs one module's steps on this process's device, under a strategy."""
+
+    def __init__(self, module: Any, data: Any, strategy: Strategy, config: TrainerConfig) -> None:
+        self.module = module
+        self.data = data
+        self.strategy = strategy
+        self.config = config
+        self.collector = MetricCollector(self.to_numpy)
+        module._unifit_collector = self.collector
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Place the model, build optimizers and data loaders, scale the lr, wrap for the strategy."""
+
+    @property
+    @abstractmethod
+    def batches_per_epoch(self) -> int:
+        """Training micro-batches per epoch on this rank."""
+
+    @property
+    @abstractmethod
+    def has_validation(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def optimizer_steps(self) -> int: ...
+
+    @abstractmethod
+    def train_batches(self, epoch: int) -> Iterable[Any]:
+        """This rank's shard of epoch `epoch`, as device batches."""
+
+    @abstractmethod
+    def train_step(self, batch: Any, batch_idx: int) -> Any:
+        """Forward, backward, and on accumulation boundaries an optimizer step; returns the loss."""
+
+    @abstractmethod
+    def val_batches(self) -> Iterable[Any]: ...
+
+    @abstractmethod
+    def validation_step(self, batch: Any, batch_idx: int) -> None: ...
+
+    @abstractmethod
+    def end_of_epoch(self) -> None:
+        """Epoch-interval scheduler steps and the like."""
+
+    @abstractmethod
+    def current_lrs(self) -> list[float]:
+        """Learning rates (per param group) the next optimizer step uses, warmup included."""
+
+    @abstractmethod
+    def to_numpy(self, values: list[Any]) -> np.ndarray:
+        """Logged values (tensors or numbers) as one float array, synced once."""
+
+    @abstractmethod
+    def is_finite(self, value: Any) -> bool: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler and counters, for checkpoints."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def rng_state(self) -> dict[str, Any]:
+        """This rank's random number generator states."""
+
+    @abstractmethod
+    def set_rng_state(self, state: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def seed(self, seed: int) -> None: ...
+
+    @abstractmethod
+    def write_checkpoint(self, fs: Any, directory: str, payload: dict[str, Any]) -> None:
+        """Write `payload` into `directory` on file system `fs`."""
+
+    @abstractmethod
+    def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]: ...

@@ -1,0 +1,1 @@
+"""PyTorch support: TrainModule and the engine that runs it."""

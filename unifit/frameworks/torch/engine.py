@@ -1,0 +1,272 @@
+"""Runs a TrainModule: DDP-ready step wrapper, accumulation, clipping, warmup, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from unifit.errors import ConfigError
+from unifit.frameworks.base import Engine
+from unifit.frameworks.torch import data as tdata
+from unifit.frameworks.torch.device import torch_device
+from unifit.trainer.lr_policy import LRPolicy
+
+# param-group keys and scheduler attributes that hold learning rates, scaled together
+_LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs")
+
+
+class _StepModule(torch.nn.Module):
+    """Routes training_step through forward(), so DDP's forward hooks see every step."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.module.training_step(batch, batch_idx)
+
+
+class TorchEngine(Engine):
+    def setup(self) -> None:
+        cfg, strategy = self.config, self.strategy
+        self.device = torch_device(cfg.accelerator, strategy.local_rank)
+        self._move = self.device.type != "cpu"
+        self.module.to(self.device)
+        self.optimizer, self.scheduler, self.interval = _parse_optimizers(self.module.configure_optimizers())
+
+        pin = self.device.type == "cuda"
+        train_ds = tdata.as_dataset(self.data.train_dataset(), "train_dataset()")
+        self.train_loader = tdata.train_loader(
+            train_ds, batch_size=cfg.batch_size, world_size=strategy.world_size, rank=strategy.rank,
+            seed=cfg.seed, drop_last=cfg.drop_last, num_workers=cfg.num_workers, pin_memory=pin)
+        self._batches = len(self.train_loader)
+        if cfg.limit_train_batches:
+            self._batches = min(self._batches, cfg.limit_train_batches)
+        if self._batches == 0:
+            raise ConfigError(
+                f"trainer.batch_size: {cfg.batch_size} with drop_last leaves no training batch on rank "
+                f"{strategy.rank} ({len(train_ds)} samples over {strategy.world_size} ranks); lower batch_size")
+        val = self.data.val_dataset()
+        has_val_step = type(self.module).validation_step is not _base_validation_step()
+        self.val_loader = None
+        if val is not None and has_val_step and cfg.limit_val_batches != 0:
+            self.val_loader = tdata.val_loader(
+                tdata.as_dataset(val, "val_dataset()"), batch_size=cfg.batch_size,
+                world_size=strategy.world_size, rank=strategy.rank, num_workers=cfg.num_workers, pin_memory=pin)
+
+        self.accumulate = cfg.accumulate_grad_batches
+        steps_per_epoch = math.ceil(self._batches / self.accumulate)
+        self.policy = LRPolicy.from_config(cfg, strategy.world_size, steps_per_epoch)
+        _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
+        self._steps = 0
+        self.wrapped = strategy.prepare_model(_StepModule(self.module), self.device)
+
+    # ---- facts ------------------------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._batches
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_loader is not None
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self._steps
+
+    # ---- training -----------------------------------------------------------------------
+    def train_batches(self, epoch: int) -> Iterator[Any]:
+        self.module.train()
+        self.train_loader.sampler.set_epoch(epoch)
+        limit, move, device = self._batches, self._move, self.device
+        for i, batch in enumerate(self.train_loader):
+            if i >= limit:
+                break
+            yield tdata.to_device(batch, device) if move else batch
+
+    def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        count = tdata.batch_size_of(batch)
+        self.module._unifit_batch_count = count
+        accumulate = self.accumulate
+        if accumulate == 1:
+            loss = _loss_of(self.wrapped(batch, batch_idx))
+            loss.backward()
+            self._optimizer_step()
+        else:
+            boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches
+            if boundary:
+                loss = _loss_of(self.wrapped(batch, batch_idx))
+                (loss / accumulate).backward()
+                self._optimizer_step()
+            else:
+                with self.strategy.no_sync(self.wrapped):
+                    loss = _loss_of(self.wrapped(batch, batch_idx))
+                    (loss / accumulate).backward()
+        loss = loss.detach()
+        self.collector.add("train/loss", loss, count)
+        return loss
+
+    def _optimizer_step(self) -> None:
+        optimizer, step = self.optimizer, self._steps
+        if self.config.gradient_clip_val is not None:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clip_val)
+        if step < self.policy.warmup_steps:
+            ramp = self.policy.ramp(step)
+            scheduled = [group["lr"] for group in optimizer.param_groups]
+            for group, lr in zip(optimizer.param_groups, scheduled):
+                group["lr"] = lr * ramp
+            optimizer.step()
+            for group, lr in zip(optimizer.param_groups, scheduled):
+                group["lr"] = lr  # the user's scheduler keeps seeing its own values
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self._steps = step + 1
+        if self.scheduler is not None and self.interval == "step":
+            self.scheduler.step()
+
+    def end_of_epoch(self) -> None:
+        if self.scheduler is not None and self.interval == "epoch":
+            self.scheduler.step()
+
+    def current_lrs(self) -> list[float]:
+        ramp = self.policy.ramp(self._steps)
+        return [group["lr"] * ramp for group in self.optimizer.param_groups]
+
+    # ---- validation ---------------------------------------------------------------------
+    def val_batches(self) -> Iterator[Any]:
+        self.module.eval()
+        limit = self.config.limit_val_batches
+        for i, batch in enumerate(self.val_loader):
+            if limit is not None and i >= limit:
+                break
+            yield tdata.to_device(batch, self.device) if self._move else batch
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.module._unifit_batch_count = tdata.batch_size_of(batch)
+        with torch.no_grad():
+            self.module.validation_step(batch, batch_idx)
+
+    # ---- numbers ------------------------------------------------------------------------
+    def to_numpy(self, values: list[Any]) -> np.ndarray:
+        if values and all(isinstance(v, torch.Tensor) for v in values):
+            return torch.stack([v.float().reshape(-1).mean() for v in values]).cpu().numpy()
+        return np.asarray([float(v) for v in values], dtype=np.float64)
+
+    def is_finite(self, value: Any) -> bool:
+        return bool(torch.isfinite(value).all()) if isinstance(value, torch.Tensor) else math.isfinite(value)
+
+    # ---- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "optimizer_steps": self._steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self._steps = int(state["optimizer_steps"])
+
+    def rng_state(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=False)
+        return {
+            "python": random.getstate(),
+            "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                      "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                      "gauss": float(np_state["gauss"])},
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        random.setstate(_as_tuple(state["python"]))
+        n = state["numpy"]
+        np.random.set_state({"bit_generator": "MT19937",
+                             "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    def seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def write_checkpoint(self, fs: Any, directory: str, payload: dict[str, Any]) -> None:
+        with fs.open(f"{directory}/state.pt", "wb") as f:
+            torch.save(payload, f)
+
+    def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
+        with fs.open(f"{directory}/state.pt", "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def _base_validation_step() -> Any:
+    from unifit.frameworks.torch.module import TrainModule
+
+    return TrainModule.validation_step
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    raise ConfigError(
+        f"training_step returned {type(output).__name__}; return the loss tensor or a dict with key 'loss'"
+    )
+
+
+def _parse_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any, str]:
+    """optimizer | (optimizer, scheduler) | {"optimizer", "lr_scheduler", "interval"}."""
+    scheduler, interval = None, "epoch"
+    if isinstance(result, dict):
+        optimizer = result.get("optimizer")
+        scheduler = result.get("lr_scheduler")
+        interval = result.get("interval", "epoch")
+    elif isinstance(result, (tuple, list)) and len(result) == 2:
+        optimizer, scheduler = result
+    else:
+        optimizer = result
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"configure_optimizers() returned {type(result).__name__}; return a torch optimizer, "
+            "(optimizer, scheduler) or {'optimizer': ..., 'lr_scheduler': ..., 'interval': 'epoch'|'step'}")
+    if interval not in ("epoch", "step"):
+        raise ConfigError(f"configure_optimizers(): interval received {interval!r}; use 'epoch' or 'step'")
+    for i, group in enumerate(optimizer.param_groups):
+        if group["lr"] < 0:
+            raise ConfigError(f"configure_optimizers(): param group {i} has lr={group['lr']}; the learning rate must be >= 0")
+    return optimizer, scheduler, interval
+
+
+def _scale_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
+    """Turn the module's base lrs into scaled ones, in the optimizer and its scheduler alike."""
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        for key in _LR_GROUP_KEYS:
+            if isinstance(group.get(key), (int, float)):
+                group[key] *= factor
+    for attr in _LR_SCHEDULER_ATTRS:
+        values = getattr(scheduler, attr, None)
+        if isinstance(values, list):
+            setattr(scheduler, attr, [v * factor for v in values])
+    if scheduler is not None and hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+

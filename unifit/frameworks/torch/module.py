@@ -1,0 +1,39 @@
+"""TrainModule: the LightningModule-like base class for PyTorch users."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unifit.trainer.module import ModuleBase
+
+
+class TrainModule(ModuleBase, torch.nn.Module):
+    """Subclass it: define the network in __init__, then the steps, optimizers and data.
+
+    - training_step(batch, batch_idx) -> loss tensor, or a dict with "loss"
+      (the returned loss is logged as train/loss automatically)
+    - validation_step(batch, batch_idx) -> None; log metrics with self.log
+    - configure_optimizers() -> optimizer, or (optimizer, scheduler) with the scheduler stepped
+      once per epoch, or {"optimizer": o, "lr_scheduler": s, "interval": "epoch" | "step"}
+    - train_dataset() / val_dataset() -> torch Dataset or tuple of arrays (sharded for you)
+    """
+
+    framework = "torch"
+    engine = "unifit.frameworks.torch.engine:TorchEngine"
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define training_step(batch, batch_idx)")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Optional; without it validation is skipped."""
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
+
+    def _detach(self, value: Any) -> Any:
+        return value.detach() if isinstance(value, torch.Tensor) else value

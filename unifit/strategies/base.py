@@ -1,0 +1,138 @@
+"""The small Strategy core every distribution strategy implements.
+
+A strategy runs *inside* each process: it knows the rank facts, sets up and tears down
+communication, prepares the model, tells the data layer how to shard, and offers the few
+collectives the Trainer needs. Collectives take and return NumPy arrays or picklable objects
+so callbacks stay framework-neutral; at world size 1 they return their input (one code path).
+Starting the processes is a launcher's job (see `launchers/`), not the strategy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, ContextManager
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from unifit.errors import ConfigError
+from unifit.strategies.environment import ClusterEnvironment
+
+
+class NoOptions(BaseModel):
+    """A strategy without options accepts none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Strategy(ABC):
+    """Process-level distribution facts and collectives."""
+
+    name: ClassVar[str]
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, env: ClusterEnvironment, *, accelerator: str = "auto",
+                 collective_timeout_s: float = 300.0, options: dict[str, Any] | None = None) -> None:
+        self.env = env
+        self.accelerator = accelerator
+        self.collective_timeout_s = collective_timeout_s
+        try:
+            self.options = self.Options.model_validate(options or {})
+        except ValidationError as exc:
+            from unifit.trainer.loading import explain
+
+            raise ConfigError(explain(exc, self.Options, options, prefix="trainer.strategy_options.")) from None
+
+    # ---- rank facts -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.env.rank == 0
+
+    # ---- life cycle --------------------------------------------------------------------
+    def setup(self) -> None:
+        """Start communication (process groups, devices). Called once per fit."""
+
+    def teardown(self) -> None:
+        """Release what setup made; safe to call after a failed setup."""
+
+    # ---- model ----------------------------------------------------------------------------
+    def prepare_model(self, model: Any, device: Any) -> Any:
+        """Wrap the model for gradient synchronisation (identity by default)."""
+        return model
+
+    def no_sync(self, wrapped_model: Any) -> ContextManager[Any]:
+        """Context that skips gradient sync for accumulation micro-batches."""
+        return contextlib.nullcontext()
+
+    # ---- collectives (no-ops at world size 1) ----------------------------------------
+    def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+    def all_reduce_max(self, values: np.ndarray) -> np.ndarray:
+        return values
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str) -> None:
+        """Every rank must reach the barrier `name`; one that does not makes it fail, not hang."""
+
+
+class TorchDistributedStrategy(Strategy, ABC):
+    """Collectives through torch.distributed, shared by ddp and the strategies built on it."""
+
+    @abstractmethod
+    def _group_ready(self) -> bool:
+        """Whether a process group exists (false at world size 1)."""
+
+    def _torch(self) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        return torch, dist
+
+    def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
+        return self._all_reduce(values, "SUM")
+
+    def all_reduce_max(self, values: np.ndarray) -> np.ndarray:
+        return self._all_reduce(values, "MAX")
+
+    def _all_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        if not self._group_ready():
+            return values
+        torch, dist = self._torch()
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+        return tensor.numpy()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self._group_ready():
+            return [obj]
+        _, dist = self._torch()
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self._group_ready():
+            return obj
+        _, dist = self._torch()
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]

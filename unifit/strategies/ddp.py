@@ -1,0 +1,118 @@
+"""PyTorch DistributedDataParallel: one process per device, started by torchrun.
+
+GPU path (NCCL, one GPU per process pinned by LOCAL_RANK) follows torch's DDP documentation;
+it was written for GPUs but verified on CPU (gloo) only on the machines unifit is built on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any, ContextManager, Literal
+
+from pydantic import BaseModel, ConfigDict, PositiveFloat
+
+from unifit.errors import DistributedError
+from unifit.frameworks.torch.device import torch_device
+from unifit.strategies.base import TorchDistributedStrategy
+
+log = logging.getLogger("unifit")
+
+
+class DDPOptions(BaseModel):
+    """trainer.strategy_options for ddp (passed to torch's DistributedDataParallel)."""
+
+    model_config = ConfigDict(extra="forbid")
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    find_unused_parameters: bool = False
+    bucket_cap_mb: PositiveFloat = 25.0
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+
+
+class DDPStrategy(TorchDistributedStrategy):
+    name = "ddp"
+    Options = DDPOptions
+
+    _owns_group = False
+
+    def _group_ready(self) -> bool:
+        import torch.distributed as dist
+
+        return self.world_size > 1 and dist.is_initialized()
+
+    def setup(self) -> None:
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            log.warning(
+                "%s: no launcher environment found (RANK/WORLD_SIZE unset), running a world of size 1; "
+                "start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>", self.name)
+            return
+        device = torch_device(self.accelerator, self.local_rank)
+        backend = self.options.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                timeout=datetime.timedelta(seconds=self.collective_timeout_s),
+                **self._init_kwargs(),
+            )
+            self._owns_group = True
+        self._backend = dist.get_backend()
+
+    def _init_kwargs(self) -> dict[str, Any]:
+        """Rendezvous arguments; torchrun's env:// is the default."""
+        return {}
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def prepare_model(self, model: Any, device: Any) -> Any:
+        if not self._group_ready():
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        opts = self.options
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=opts.find_unused_parameters,
+            bucket_cap_mb=opts.bucket_cap_mb,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+        )
+        self._register_comm_hook(ddp)
+        return ddp
+
+    def _register_comm_hook(self, ddp: Any) -> None:
+        """Strategies built on ddp (smddp-like) replace the gradient allreduce here."""
+
+    def no_sync(self, wrapped_model: Any) -> ContextManager[Any]:
+        if not self._group_ready():
+            return super().no_sync(wrapped_model)
+        return wrapped_model.no_sync()
+
+    def barrier(self, name: str) -> None:
+        if not self._group_ready():
+            return
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.collective_timeout_s)
+        try:
+            if self._backend == "gloo":
+                # reports which ranks are missing instead of hanging
+                dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+            else:
+                dist.barrier(device_ids=[self.local_rank])
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(
+                f"barrier '{name}' on rank {self.rank} failed within {self.collective_timeout_s:g}s: {first}; "
+                "every rank must call it (e.g. do not call save_checkpoint inside 'if rank == 0')"
+            ) from exc

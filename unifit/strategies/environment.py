@@ -1,0 +1,69 @@
+"""Where this process sits in the job, read from the launcher's environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class ClusterEnvironment:
+    """Rank facts of one process; world_size 1 when no launcher set anything."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    source: str = "none"
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    from unifit.errors import DistributedError
+
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedError(f"environment variable {name}={raw!r} is not an integer; fix the launcher settings") from None
+
+
+def from_torchrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """torchrun / torch.distributed.run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK."""
+    env = os.environ if env is None else env
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world = _int(env, "WORLD_SIZE", 1)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    return ClusterEnvironment(
+        rank=_int(env, "RANK", 0),
+        world_size=world,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", _int(env, "RANK", 0) // max(1, local_world)),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", 29500),
+        source="torchrun",
+    )
+
+
+# Readers tried in order; later issues (Horovod, TF_CONFIG, SageMaker) add theirs here.
+READERS = (from_torchrun,)
+
+
+def detect(env: Mapping[str, str] | None = None) -> ClusterEnvironment:
+    """The first reader that recognises the environment, else a world of one."""
+    for reader in READERS:
+        found = reader(env)
+        if found is not None:
+            return found
+    return ClusterEnvironment()

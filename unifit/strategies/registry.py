@@ -1,0 +1,81 @@
+"""Strategy names -> where they live, which frameworks they run, and how they are launched.
+
+Entries are dotted paths so torch, TensorFlow and Horovod are imported only when the strategy
+is used. Adding a strategy means adding one line here and one file beside this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from unifit._imports import load_object
+from unifit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from unifit.strategies.base import Strategy
+    from unifit.strategies.environment import ClusterEnvironment
+    from unifit.strategies.launchers.base import Launcher
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    name: str
+    strategy: str  # dotted path of the Strategy class
+    launcher: str  # dotted path of the Launcher class that starts its processes
+    frameworks: frozenset[str]  # module frameworks it can train
+    summary: str
+
+
+_REGISTRY: dict[str, StrategyEntry] = {}
+
+
+def register(entry: StrategyEntry) -> None:
+    _REGISTRY[entry.name] = entry
+
+
+register(StrategyEntry(
+    "single", "unifit.strategies.single:SingleStrategy", "unifit.strategies.launchers.base:SingleProcessLauncher",
+    frozenset({"torch"}), "one process, one device"))
+register(StrategyEntry(
+    "ddp", "unifit.strategies.ddp:DDPStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
+    frozenset({"torch"}), "PyTorch DistributedDataParallel, launched by torchrun"))
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def check_name(name: str) -> str:
+    """Return `name` if registered, else raise an error that lists the valid names."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy '{name}'; valid strategies: {', '.join(_REGISTRY)}")
+    return name
+
+
+def entry(name: str) -> StrategyEntry:
+    try:
+        return _REGISTRY[check_name(name)]
+    except ValueError as exc:
+        raise ConfigError(f"trainer.strategy: {exc}") from None
+
+
+def create(name: str, env: "ClusterEnvironment", **kwargs: object) -> "Strategy":
+    cls = load_object(entry(name).strategy, field="trainer.strategy")
+    return cls(env, **kwargs)
+
+
+def launcher(name: str) -> "Launcher":
+    return load_object(entry(name).launcher, field="trainer.strategy")()
+
+
+def check_framework(name: str, framework: str, module_name: str) -> None:
+    """Refuse a module the strategy cannot train, naming the strategies that can."""
+    found = entry(name)
+    if framework in found.frameworks:
+        return
+    fits = [e.name for e in _REGISTRY.values() if framework in e.frameworks]
+    raise ConfigError(
+        f"trainer.strategy: '{name}' trains {'/'.join(sorted(found.frameworks))} modules, but {module_name} "
+        f"is a {framework} module; use one of: {', '.join(fits)}"
+    )

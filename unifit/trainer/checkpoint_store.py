@@ -1,0 +1,138 @@
+"""Committed checkpoints on any fsspec file system: atomic, with 'last' and 'best' pointers.
+
+Layout under the checkpoint dir:
+    epoch=0003-step=0000120/   one checkpoint: the engine's payload + COMMITTED.json (last)
+    last.json                  {"name": ...}: a small pointer, not a symlink (object stores have none)
+    best.json                  {"name": ..., "monitor": ..., "value": ...} when a metric is monitored
+A checkpoint counts only once its COMMITTED.json exists. On a local disk it is written in a
+temporary directory and renamed into place; on object stores the marker is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Callable
+
+import fsspec
+
+from unifit.errors import CheckpointNotFoundError
+
+MARKER = "COMMITTED.json"
+_NAME = re.compile(r"^epoch=(\d+)-step=(\d+)$")
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    return f"epoch={epoch:04d}-step={step:07d}"
+
+
+class CheckpointStore:
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self._renames = "file" in _protocols(self.fs)
+
+    def path(self, name: str) -> str:
+        return f"{self.root.rstrip('/')}/{name}"
+
+    # ---- writing (rank 0 only) -----------------------------------------------------------
+    def save(self, name: str, write: Callable[[Any, str], None], meta: dict[str, Any]) -> str:
+        """Write one checkpoint with `write(fs, directory)` and commit it; returns its path."""
+        final = self.path(name)
+        self.fs.makedirs(self.root, exist_ok=True)
+        if self._renames:
+            staging = self.path(f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+            self.fs.makedirs(staging, exist_ok=True)
+            try:
+                write(self.fs, staging)
+                self._write_json(f"{staging}/{MARKER}", meta)
+                self._replace_dir(staging, final)
+            except BaseException:
+                self.fs.rm(staging, recursive=True)
+                raise
+        else:
+            if self.fs.exists(final):
+                self.fs.rm(final, recursive=True)
+            write(self.fs, final)
+            self._write_json(f"{final}/{MARKER}", meta)  # the commit: written last
+        self._write_json(self.path("last.json"), {"name": name, **meta})
+        return final
+
+    def _replace_dir(self, staging: str, final: str) -> None:
+        old = None
+        if self.fs.exists(final):
+            old = self.path(f".old-{uuid.uuid4().hex[:8]}")
+            self.fs.mv(final, old, recursive=True)
+        self.fs.mv(staging, final, recursive=True)
+        if old:
+            self.fs.rm(old, recursive=True)
+
+    def _write_json(self, path: str, data: dict[str, Any]) -> None:
+        text = json.dumps(data, sort_keys=True)
+        if self._renames:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            self.fs.pipe_file(tmp, text.encode())
+            self.fs.mv(tmp, path)
+        else:
+            self.fs.pipe_file(path, text.encode())  # a single PUT is atomic on object stores
+
+    def set_best(self, name: str, monitor: str, value: float) -> None:
+        self._write_json(self.path("best.json"), {"name": name, "monitor": monitor, "value": value})
+
+    def best(self) -> dict[str, Any] | None:
+        return self._read_json(self.path("best.json"))
+
+    def prune(self, keep_last_n: int | None, protected: set[str]) -> list[str]:
+        """Delete all but the newest `keep_last_n` committed checkpoints, never `protected` ones."""
+        if keep_last_n is None:
+            return []
+        best = self.best()
+        keep = set(protected) | ({best["name"]} if best else set())
+        names = self.committed()
+        doomed = [n for n in names[:-keep_last_n] if n not in keep] if len(names) > keep_last_n else []
+        for name in doomed:
+            self.fs.rm(self.path(name), recursive=True)
+        return doomed
+
+    # ---- reading ----------------------------------------------------------------------------
+    def committed(self) -> list[str]:
+        """Names of committed checkpoints, oldest first."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            match = _NAME.match(name)
+            if match and self.fs.exists(f"{self.path(name)}/{MARKER}"):
+                found.append((int(match[1]), int(match[2]), name))
+        return [name for *_, name in sorted(found)]
+
+    def resolve(self, spec: str) -> tuple[Any, str]:
+        """'last', 'best', a checkpoint name, or a path -> (file system, directory) of a committed one."""
+        if spec in ("last", "best"):
+            pointer = self._read_json(self.path(f"{spec}.json"))
+            if pointer is None or not self.fs.exists(f"{self.path(pointer['name'])}/{MARKER}"):
+                raise CheckpointNotFoundError(
+                    f"--ckpt-path {spec}: no committed checkpoint in '{self.url}'; "
+                    "train without --ckpt-path first, or point trainer.checkpoint.dir at the run to resume")
+            return self.fs, self.path(pointer["name"])
+        fs, path = (self.fs, self.path(spec)) if _NAME.match(spec) else fsspec.core.url_to_fs(spec)
+        if not fs.exists(f"{path.rstrip('/')}/{MARKER}"):
+            raise CheckpointNotFoundError(
+                f"--ckpt-path {spec}: not a committed checkpoint (no {MARKER}); "
+                "use 'last', 'best' or a checkpoint directory written by unifit")
+        return fs, path.rstrip("/")
+
+    def _read_json(self, path: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

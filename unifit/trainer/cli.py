@@ -1,0 +1,149 @@
+"""The `unifit` command: fit, print-config, launch.
+
+    unifit fit -c exp.yaml [--trainer.max_epochs 3 ...] [--ckpt-path last]
+    unifit print-config -c exp.yaml [overrides]
+    unifit launch --nproc-per-node 2 [--nnodes N --node-rank R --rdzv-endpoint H:P] -c exp.yaml [overrides]
+
+User errors print one line and exit 2 (1 for failures during training); UNIFIT_DEBUG=1 shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+from unifit.errors import ConfigError, UnifitError
+
+_SECTIONS = ("module.", "data.", "trainer.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unifit", description="Train a unifit module from a YAML experiment file.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def experiment_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-c", "--config", required=True, help="experiment YAML file")
+        p.epilog = "Any config field can be overridden with a dotted flag, e.g. --trainer.max_epochs 3."
+
+    fit = sub.add_parser("fit", help="train (in this process; under torchrun/horovodrun in each rank)")
+    experiment_args(fit)
+    fit.add_argument("--ckpt-path", default=None, help="resume: 'last', 'best', a checkpoint name or directory")
+    show = sub.add_parser("print-config", help="print the fully resolved config")
+    experiment_args(show)
+    launch = sub.add_parser("launch", help="start the processes of the configured strategy (torchrun, ...)")
+    experiment_args(launch)
+    launch.add_argument("--nproc-per-node", type=int, default=1)
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--master-addr", default=None)
+    launch.add_argument("--master-port", type=int, default=None)
+    launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    launch.add_argument("--ckpt-path", default=None)
+    return parser
+
+
+def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
+    """['--trainer.max_epochs', '3', '--module.init_args.lr=0.1'] -> {'trainer.max_epochs': '3', ...}."""
+    overrides: dict[str, str] = {}
+    items = list(extra)
+    while items:
+        flag = items.pop(0)
+        if not flag.startswith("--") or not flag[2:].startswith(_SECTIONS):
+            raise ConfigError(
+                f"unknown argument '{flag}'; overrides look like --trainer.max_epochs 3 (sections: module, data, trainer)")
+        key, eq, value = flag[2:].partition("=")
+        if not eq:
+            if not items:
+                raise ConfigError(f"override '{flag}' has no value; write {flag} VALUE")
+            value = items.pop(0)
+        overrides[key] = value
+    return overrides
+
+
+def load_experiment(path: str, overrides: dict[str, str]) -> Any:
+    from unifit.trainer.loading import apply_overrides, load_yaml, validate_experiment
+
+    return validate_experiment(apply_overrides(load_yaml(path), overrides), source=path)
+
+
+def _fit(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    from unifit._imports import load_object
+    from unifit.trainer.trainer import Trainer
+
+    experiment = load_experiment(args.config, overrides)
+    sys.path.insert(0, os.getcwd())  # let class paths name modules of the working directory
+    trainer = Trainer(experiment.trainer)
+    trainer.experiment = experiment
+    module_cls = load_object(experiment.module.class_path, field="module.class_path")
+    _seed_init(experiment.trainer.seed)
+    module = _build(module_cls, experiment.module.init_args, "module")
+    data = None
+    if experiment.data is not None:
+        data = _build(load_object(experiment.data.class_path, field="data.class_path"), experiment.data.init_args, "data")
+    trainer.fit(module, data=data, ckpt_path=args.ckpt_path)
+    return 0
+
+
+def _seed_init(seed: int) -> None:
+    """Same initial weights on every rank before the module is built (then broadcast anyway)."""
+    import random
+
+    random.seed(seed)
+    if "torch" in sys.modules or _importable("torch"):
+        import torch
+
+        torch.manual_seed(seed)
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _build(cls: Any, init_args: dict[str, Any], section: str) -> Any:
+    try:
+        return cls(**init_args)
+    except TypeError as exc:
+        raise ConfigError(f"{section}.init_args: {cls.__name__}({', '.join(init_args)}) failed: {exc}; "
+                          f"fix {section}.init_args to match {cls.__name__}.__init__") from None
+
+
+def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[str]) -> int:
+    from unifit.strategies import registry
+    from unifit.strategies.launchers.base import LaunchSpec
+
+    experiment = load_experiment(args.config, overrides)
+    spec = LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                      master_addr=args.master_addr, master_port=args.master_port,
+                      rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args)
+    if spec.nproc_per_node < 1 or spec.nnodes < 1:
+        raise ConfigError(f"--nproc-per-node {spec.nproc_per_node} --nnodes {spec.nnodes}: both must be >= 1")
+    return registry.launcher(experiment.trainer.strategy).launch(spec)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="unifit: %(message)s", stream=sys.stderr)
+    args, extra = _parser().parse_known_args(argv)
+    try:
+        overrides = parse_overrides(extra)
+        if args.command == "print-config":
+            from unifit.trainer.loading import resolved_yaml
+
+            print(resolved_yaml(load_experiment(args.config, overrides)), end="")
+            return 0
+        if args.command == "launch":
+            fit_args = ["-c", args.config, *extra] + (["--ckpt-path", args.ckpt_path] if args.ckpt_path else [])
+            return _launch(args, overrides, fit_args)
+        return _fit(args, overrides)
+    except UnifitError as exc:
+        if os.environ.get("UNIFIT_DEBUG"):
+            raise
+        rank = os.environ.get("RANK")
+        prefix = f"unifit: error (rank {rank}): " if rank not in (None, "0") else "unifit: error: "
+        print(prefix + str(exc).replace("\n", " "), file=sys.stderr)
+        return exc.exit_code

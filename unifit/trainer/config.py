@@ -1,0 +1,125 @@
+"""The experiment schema: typed, validated by pydantic, the single source of the config reference.
+
+Every option lives in a small model here; `docs/config.md` is generated from these models
+(`python -m unifit.trainer.config_docs`) and a test fails when the two drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors, so a typo never silently becomes a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ClassPath(_Strict):
+    """An object built from a dotted class path and keyword arguments."""
+
+    class_path: str = Field(description="Dotted path, e.g. examples.digits.torch_module.DigitsClassifier.")
+    init_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the class.")
+
+
+class CheckpointConfig(_Strict):
+    """Rank-0-only, atomically committed checkpoints with a 'last' pointer."""
+
+    enabled: bool = Field(True, description="Write checkpoints at all.")
+    dir: str | None = Field(None, description="Where checkpoints go (local path or fsspec URL); default <root_dir>/checkpoints.")
+    every_n_epochs: PositiveInt = Field(1, description="Save after every N-th epoch (and after the last one).")
+    keep_last_n: PositiveInt | None = Field(3, description="Keep this many newest checkpoints (the best one and the one resumed from are never deleted); null keeps all.")
+    monitor: str | None = Field(None, description="Metric that picks the 'best' checkpoint, e.g. val/acc.")
+    mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher `monitor` value is better.")
+
+
+class TensorBoardConfig(_Strict):
+    """TensorBoard scalars written by rank 0."""
+
+    enabled: bool = Field(True, description="Write TensorBoard event files.")
+    log_dir: str | None = Field(None, description="Directory for event files; default <root_dir>/tensorboard.")
+    log_every_n_steps: PositiveInt = Field(50, description="Also write the step loss and lr every N optimizer steps (epoch metrics are always written).")
+
+
+class EarlyStoppingConfig(_Strict):
+    """Stop when a monitored metric stops improving (decided identically on every rank)."""
+
+    monitor: str = Field(description="Metric to watch, e.g. val/loss.")
+    mode: Literal["min", "max"] = Field("min", description="Whether lower or higher is better.")
+    patience: PositiveInt = Field(3, description="Epochs without improvement before stopping.")
+    min_delta: NonNegativeFloat = Field(0.0, description="Smallest change that counts as an improvement.")
+
+
+class NanGuardConfig(_Strict):
+    """Stop all ranks together when the loss is NaN or infinite, keeping the last good checkpoint."""
+
+    enabled: bool = Field(True, description="Check the loss for NaN/inf.")
+    check_every_n_steps: PositiveInt = Field(10, description="Check (and agree across ranks) every N steps; the epoch's loss is always checked before a checkpoint is written.")
+
+
+class TrainerConfig(_Strict):
+    """Everything the Trainer does; `Trainer(**fields)` takes the same names."""
+
+    strategy: str = Field("single", description="Distribution strategy: one of the registered names (single, ddp, ...).")
+    strategy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen strategy, validated by that strategy (see its docs page).")
+    accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto uses GPUs when present (one per process, by local rank), else CPU.")
+    max_epochs: PositiveInt = Field(10, description="Number of epochs to train.")
+    batch_size: PositiveInt = Field(32, description="Batch size per replica; the global batch is batch_size x world size x accumulate_grad_batches.")
+    base_batch_size: PositiveInt | None = Field(None, description="Batch size the module's learning rates were tuned for; default: batch_size (one replica).")
+    lr_scaling: Literal["linear", "sqrt", "none"] = Field("linear", description="Multiply the base lr by global/base batch (linear), its square root (sqrt), or not at all.")
+    warmup_epochs: NonNegativeFloat = Field(0.0, description="Ramp the lr linearly from base to scaled over this many epochs (per optimizer step).")
+    warmup_steps: NonNegativeInt | None = Field(None, description="The same in optimizer steps; do not combine with warmup_epochs.")
+    accumulate_grad_batches: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    gradient_clip_val: PositiveFloat | None = Field(None, description="Clip the global gradient norm to this value before each optimizer step.")
+    seed: int = Field(0, description="Seeds model init (same on every rank), data order, and per-rank randomness (seed + rank).")
+    root_dir: str = Field("runs/default", description="Run directory: resolved config, metrics.jsonl, default checkpoint and TensorBoard dirs.")
+    num_workers: NonNegativeInt = Field(0, description="DataLoader worker processes per rank.")
+    drop_last: bool = Field(False, description="Drop each rank's last partial training batch.")
+    limit_train_batches: PositiveInt | None = Field(None, description="Use at most this many training batches per epoch (for quick runs).")
+    limit_val_batches: NonNegativeInt | None = Field(None, description="Use at most this many validation batches (0 turns validation off).")
+    validate_every_n_epochs: PositiveInt = Field(1, description="Run validation after every N-th epoch (and the last).")
+    progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (only when attached to a terminal).")
+    collective_timeout_s: PositiveFloat = Field(300.0, description="A collective or barrier that waits longer fails every rank instead of hanging.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="See CheckpointConfig.")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
+    early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
+    nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
+    callbacks: list[ClassPath] = Field(default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback).")
+
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, name: str) -> str:
+        from unifit.strategies.registry import check_name
+
+        return check_name(name)
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "TrainerConfig":
+        if self.warmup_steps is not None and self.warmup_epochs > 0:
+            raise ValueError(
+                f"warmup_epochs={self.warmup_epochs} and warmup_steps={self.warmup_steps} are both set; set only one"
+            )
+        return self
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or join_path(self.root_dir, "checkpoints")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        return self.tensorboard.log_dir or join_path(self.root_dir, "tensorboard")
+
+
+class ExperimentConfig(_Strict):
+    """One experiment file: the module, optional data provider, and trainer options."""
+
+    module: ClassPath = Field(description="The TrainModule (or KerasModule) subclass and its init args.")
+    data: ClassPath | None = Field(None, description="Optional data provider with train_dataset()/val_dataset(); default: the module's own methods.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="See TrainerConfig.")
+
+
+def join_path(base: str, *parts: str) -> str:
+    """Join a local path or URL with '/' (fsspec paths use '/', also for s3://)."""
+    return "/".join([base.rstrip("/"), *parts])

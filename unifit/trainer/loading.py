@@ -1,0 +1,104 @@
+"""Read an experiment file, apply dotted command-line overrides, validate, and explain errors."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from unifit.errors import ConfigError
+from unifit.trainer.config import ExperimentConfig, TrainerConfig
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Safely load a YAML mapping; errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file with -c")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}': expected a mapping with 'module' and 'trainer', received a {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
+    """Set `a.b.c=value` pairs into nested `data`; values are parsed as YAML ('3' -> 3, 'null' -> None)."""
+    for dotted, raw in overrides.items():
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = data
+        keys = dotted.split(".")
+        for key in keys[:-1]:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override --{dotted}: '{key}' is a {type(child).__name__}, not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def validate_experiment(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    """Validate a raw mapping into an ExperimentConfig or raise a one-line ConfigError."""
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {explain(exc, ExperimentConfig, data)}") from None
+
+
+def validate_trainer(kwargs: dict[str, Any]) -> TrainerConfig:
+    """Validate Trainer(...) keyword arguments, with the same messages as the YAML path."""
+    try:
+        return TrainerConfig.model_validate(kwargs)
+    except ValidationError as exc:
+        raise ConfigError(f"Trainer(...): {explain(exc, TrainerConfig, kwargs, prefix='')}") from None
+
+
+def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str = "") -> str:
+    """Turn pydantic's first error into 'field: received X; fix'."""
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"]]
+    field = prefix + ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(model, loc[:-1])
+        hint = ""
+        if parent is not None:
+            close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f"; valid keys: {', '.join(parent.model_fields)}"
+        return f"unknown key '{field}'{hint}; remove it or fix its name"
+    if err["type"] == "missing":
+        return f"'{field}' is required but missing; add it to the config"
+    received = err.get("input")
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"'{field}' received {received!r}: {msg}; fix the value of {field}"
+
+
+def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
+    """Follow field names through nested models (for 'did you mean' hints)."""
+    current: Any = model
+    for name in loc:
+        field = getattr(current, "model_fields", {}).get(name)
+        if field is None:
+            return None
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if current is None:
+            return None
+    return current
+
+
+def resolved_yaml(config: ExperimentConfig) -> str:
+    """The fully resolved config as YAML (what print-config shows and each run saves)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

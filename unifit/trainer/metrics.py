@@ -1,0 +1,77 @@
+"""Collect what `self.log` receives during a phase and average it exactly over all ranks.
+
+Each value is weighted by the number of samples it describes, so the result is
+sum(value x count) / sum(count) over every batch of every rank, exact with uneven shards.
+Keys are reduced in sorted order so ranks never mix values; a key logged on some ranks but
+not on others (which processed batches) is an error on every rank, not a silent mix.
+Nothing here syncs with the device per step: values are kept as they come and turned into
+numbers once, at the end of the phase.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from unifit.errors import DistributedError
+
+
+class MetricCollector:
+    def __init__(self, to_numpy: Callable[[list[Any]], np.ndarray]) -> None:
+        self._to_numpy = to_numpy
+        self._entries: dict[str, tuple[list[Any], list[int]]] = {}
+        self._last_totals: dict[str, float] = {}
+
+    def last_total(self, name: str) -> float:
+        """Samples counted for `name` over all ranks in the last reduce."""
+        return self._last_totals.get(name, 0.0)
+
+    def reset(self) -> None:
+        self._entries = {}
+
+    def add(self, name: str, value: Any, count: int) -> None:
+        entry = self._entries.get(name)
+        if entry is None:
+            entry = self._entries[name] = ([], [])
+        entry[0].append(value)
+        entry[1].append(count)
+
+    def latest(self, name: str) -> Any:
+        entry = self._entries.get(name)
+        return entry[0][-1] if entry else None
+
+    def reduce(self, strategy: Any) -> dict[str, float]:
+        """Sample-weighted means over every rank (a collective: call on all ranks)."""
+        local_keys = sorted(self._entries)
+        all_keys = strategy.all_gather_object(local_keys)
+        keys = _agreed_keys(all_keys)
+        sums = np.zeros(2 * len(keys), dtype=np.float64)
+        for i, key in enumerate(keys):
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            values = self._to_numpy(entry[0]).astype(np.float64).reshape(len(entry[1]), -1).mean(axis=1)
+            counts = np.asarray(entry[1], dtype=np.float64)
+            sums[i] = float(np.dot(values, counts))
+            sums[len(keys) + i] = float(counts.sum())
+        totals = strategy.all_reduce_sum(sums)
+        self.reset()
+        self._last_totals = {key: float(totals[len(keys) + i]) for i, key in enumerate(keys)}
+        return {key: float(totals[i] / totals[len(keys) + i])
+                for i, key in enumerate(keys) if totals[len(keys) + i] > 0}
+
+
+def _agreed_keys(all_keys: list[list[str]]) -> list[str]:
+    """Keys every rank that logged anything logged; raise naming the first disagreement."""
+    active = [(rank, set(keys)) for rank, keys in enumerate(all_keys) if keys]
+    union = sorted(set().union(*(keys for _, keys in active))) if active else []
+    for key in union:
+        missing = [rank for rank, keys in active if key not in keys]
+        if missing:
+            present = [rank for rank, keys in active if key in keys]
+            raise DistributedError(
+                f"metric '{key}' was logged on ranks {present} but not on ranks {missing}; "
+                "log every metric on every rank (metrics are averaged over all ranks)"
+            )
+    return union

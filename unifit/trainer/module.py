@@ -1,0 +1,47 @@
+"""What every module, PyTorch or Keras, shares: logging and the data it provides."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class ModuleBase:
+    """Framework-neutral part of TrainModule / KerasModule.
+
+    `framework` names the framework axis; `engine` is the dotted path of the engine that runs
+    modules of this kind, so the Trainer never asks which framework a module uses.
+    """
+
+    framework: ClassVar[str]
+    engine: ClassVar[str]
+
+    _unifit_collector: Any = None
+    _unifit_batch_count: int = 1
+
+    def log(self, name: str, value: Any, *, batch_size: int | None = None) -> None:
+        """Record a metric; it is averaged over the epoch and all ranks, weighted by samples.
+
+        `batch_size` defaults to the size of the current batch.
+        """
+        collector = self._unifit_collector
+        if collector is not None:
+            collector.add(name, self._detach(value), batch_size or self._unifit_batch_count)
+
+    def log_dict(self, metrics: dict[str, Any], *, batch_size: int | None = None) -> None:
+        for name, value in metrics.items():
+            self.log(name, value, batch_size=batch_size)
+
+    def _detach(self, value: Any) -> Any:
+        return value
+
+    # ---- data: the Trainer shards these; batch_size is per replica --------------------------
+    def train_dataset(self) -> Any:
+        """The training data: a torch Dataset, or a tuple of arrays (x, y, ...)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} provides no training data: define train_dataset() "
+            "or pass a data provider (data: in the YAML, Trainer.fit(module, data=...))"
+        )
+
+    def val_dataset(self) -> Any:
+        """Validation data, or None for no validation."""
+        return None

@@ -1,0 +1,204 @@
+"""The Trainer: one fit loop for every framework and strategy (see events.py for its pseudocode).
+
+It asks the strategy registry for the distribution axis and the module for its engine (the
+framework axis); it never asks which strategy or framework it is running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from unifit._imports import load_object
+from unifit.callbacks.base import Callback
+from unifit.errors import CheckpointNotFoundError, ConfigError, UnifitError
+from unifit.strategies import environment, registry
+from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
+from unifit.trainer.config import ExperimentConfig, TrainerConfig
+from unifit.trainer.context import FitContext
+from unifit.trainer.events import Dispatcher, Event
+from unifit.trainer.loading import resolved_yaml, validate_trainer
+from unifit.trainer.state import TrainState
+
+log = logging.getLogger("unifit")
+
+
+class Trainer:
+    """`Trainer(strategy="ddp", max_epochs=10, batch_size=32).fit(module)`.
+
+    Keyword arguments are the fields of TrainerConfig (see docs/config.md); `callbacks` may
+    also hold Callback instances.
+    """
+
+    def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
+        self.extra_callbacks: list[Callback] = [c for c in kwargs.get("callbacks", []) if isinstance(c, Callback)]
+        if self.extra_callbacks:
+            kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
+        if config is not None and kwargs:
+            raise ConfigError("Trainer(config, **kwargs): pass either a TrainerConfig or keyword arguments, not both")
+        self.config = config if config is not None else validate_trainer(kwargs)
+        self.experiment: ExperimentConfig | None = None  # set by the command line, saved with the run
+        self.state = TrainState()
+        self._running: dict[str, Any] | None = None
+
+    # ---- public API ---------------------------------------------------------------------------
+    def fit(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> TrainState:
+        """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
+        ('last', 'best', a checkpoint name or directory). Returns the final TrainState."""
+        cfg = self.config
+        registry.check_framework(cfg.strategy, getattr(module, "framework", "?"), type(module).__name__)
+        strategy = registry.create(
+            cfg.strategy, environment.detect(), accelerator=cfg.accelerator,
+            collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
+        engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, cfg)
+        store = CheckpointStore(cfg.checkpoint_dir)
+        self.state = state = TrainState()
+        dispatch: Dispatcher | None = None
+        try:
+            strategy.setup()
+            engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
+            engine.setup()
+            state.steps_per_epoch = -(-engine.batches_per_epoch // cfg.accumulate_grad_batches)
+            callbacks = self._callbacks(strategy.rank)
+            self._running = {"engine": engine, "strategy": strategy, "store": store, "callbacks": callbacks}
+            ctx = FitContext(
+                config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
+                batches_per_epoch=engine.batches_per_epoch, is_finite=engine.is_finite,
+                current_lrs=engine.current_lrs, all_reduce_max=strategy.all_reduce_max,
+                save_checkpoint=self.save_checkpoint,
+                extra={"resolved_config": self._resolved_config(module), "store": store})
+            if ckpt_path:
+                ctx.extra["resumed_from"] = self._resume(ckpt_path)
+                state = self.state
+                ctx.state = state
+            else:
+                engine.seed(cfg.seed + strategy.rank)  # per-rank randomness (dropout, augmentation)
+            dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
+            dispatch(Event.SETUP)
+            dispatch(Event.FIT_START)
+            self._loop(engine, strategy, dispatch, ctx)
+            dispatch(Event.FIT_END)
+        except BaseException as error:
+            if dispatch is not None:
+                dispatch(Event.EXCEPTION, error)
+            raise
+        finally:
+            try:
+                if dispatch is not None:
+                    dispatch(Event.TEARDOWN)
+            finally:
+                self._running = None
+                module._unifit_collector = None
+                strategy.teardown()
+        return state
+
+    def save_checkpoint(self, name: str | None = None) -> str | None:
+        """Save a checkpoint now. Every rank must call it (rank 0 writes; a call on one rank
+        only fails after trainer.collective_timeout_s instead of hanging). Returns the path on rank 0."""
+        if self._running is None:
+            raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
+        engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
+        strategy.barrier("save_checkpoint")
+        rngs = strategy.all_gather_object(engine.rng_state())
+        path = None
+        if strategy.is_global_zero:
+            state = self.state
+            name = name or checkpoint_name(state.epoch, state.global_step)
+            payload = {
+                "format": "unifit/1",
+                "engine": engine.state_dict(),
+                "trainer": state.to_dict(),
+                "rng": rngs,
+                "world_size": strategy.world_size,
+                "callbacks": {type(cb).__name__: cb.state_dict() for cb in self._running["callbacks"]},
+            }
+            meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
+            path = store.save(name, lambda fs, d: engine.write_checkpoint(fs, d, payload), meta)
+        strategy.barrier("checkpoint_committed")
+        return path
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
+        cfg, state = self.config, ctx.state
+        for epoch in range(state.epoch, cfg.max_epochs):
+            engine.collector.reset()
+            dispatch(Event.TRAIN_EPOCH_START)
+            batch_start, batch_end = dispatch.handlers(Event.TRAIN_BATCH_START), dispatch.handlers(Event.TRAIN_BATCH_END)
+            started = time.perf_counter()
+            for batch_idx, batch in enumerate(engine.train_batches(epoch)):
+                for hook in batch_start:
+                    hook(ctx, batch, batch_idx)
+                loss = engine.train_step(batch, batch_idx)
+                state.batch_idx = batch_idx
+                state.global_step = engine.optimizer_steps
+                for hook in batch_end:
+                    hook(ctx, loss, batch_idx)
+                if state.should_stop:
+                    break
+            engine.end_of_epoch()
+            metrics = engine.collector.reduce(strategy)
+            elapsed = time.perf_counter() - started
+            samples = engine.collector.last_total("train/loss")
+            metrics["throughput/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
+            for i, lr in enumerate(engine.current_lrs()):
+                metrics["lr" if i == 0 else f"lr/group{i}"] = lr
+            state.metrics = metrics
+            dispatch(Event.TRAIN_EPOCH_END)
+            last = epoch + 1 == cfg.max_epochs or state.should_stop
+            if engine.has_validation and ((epoch + 1) % cfg.validate_every_n_epochs == 0 or last):
+                dispatch(Event.VALIDATION_START)
+                for batch_idx, batch in enumerate(engine.val_batches()):
+                    engine.validation_step(batch, batch_idx)
+                state.metrics.update(engine.collector.reduce(strategy))
+                dispatch(Event.VALIDATION_END)
+            state.epoch = epoch + 1
+            dispatch(Event.EPOCH_END)
+            if state.should_stop:
+                log.info("stopping after epoch %d: %s", state.epoch, state.stop_reason)
+                break
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _callbacks(self, rank: int) -> list[Callback]:
+        from unifit.callbacks import default_callbacks
+
+        user = [load_object(c.class_path, field="trainer.callbacks")(**c.init_args) for c in self.config.callbacks]
+        for cb in user:
+            if not isinstance(cb, Callback):
+                raise ConfigError(f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback")
+        return [*default_callbacks(self.config), *user, *self.extra_callbacks]
+
+    def _resume(self, spec: str) -> str:
+        """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast)."""
+        engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
+        found: tuple[Any, str | None, str | None] = (None, None, None)
+        if strategy.is_global_zero:
+            try:
+                fs, path = store.resolve(spec)
+                found = (engine.read_checkpoint(fs, path), path, None)
+            except Exception as exc:  # every rank must learn about it, not only rank 0
+                found = (None, None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, UnifitError) else str(exc))
+        payload, path, error = strategy.broadcast_object(found)
+        if error:
+            raise CheckpointNotFoundError(error)
+        engine.load_state_dict(payload["engine"])
+        self.state = TrainState.from_dict(payload["trainer"])
+        self.state.should_stop, self.state.stop_reason = False, None
+        saved = payload.get("callbacks", {})
+        for cb in self._running["callbacks"]:
+            cb.load_state_dict(saved.get(type(cb).__name__, {}))
+        if payload["world_size"] == strategy.world_size:
+            engine.set_rng_state(payload["rng"][strategy.rank])
+        else:
+            log.warning("resuming a %d-rank checkpoint on %d ranks: random state is re-seeded, data order is kept",
+                        payload["world_size"], strategy.world_size)
+            engine.seed(self.config.seed + strategy.rank + 1000 * self.state.epoch)
+        log.info("resumed from %s (epoch %d, step %d)", path, self.state.epoch, self.state.global_step)
+        return path.rstrip("/").rsplit("/", 1)[-1]
+
+    def _resolved_config(self, module: Any) -> str:
+        if self.experiment is not None:
+            return resolved_yaml(self.experiment)
+        cls = type(module)
+        return resolved_yaml(ExperimentConfig(
+            module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=self.config))
