@@ -107,7 +107,7 @@ def _importable(name: str) -> bool:
 def _build(cls: Any, init_args: dict[str, Any], section: str) -> Any:
     try:
         return cls(**init_args)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{section}.init_args: {cls.__name__}({', '.join(init_args)}) failed: {exc}; "
                           f"fix {section}.init_args to match {cls.__name__}.__init__") from None
 

@@ -75,7 +75,7 @@ def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str
         hint = ""
         if parent is not None:
             close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f"; valid keys: {', '.join(parent.model_fields)}"
+            hint = f" (did you mean '{close[0]}'?)" if close else f"; valid keys: {', '.join(parent.model_fields) or '(none)'}"
         return f"unknown key '{field}'{hint}; remove it or fix its name"
     if err["type"] == "missing":
         return f"'{field}' is required but missing; add it to the config"

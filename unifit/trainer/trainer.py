@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any
+
+import numpy as np
 
 from unifit._imports import load_object
 from unifit.callbacks.base import Callback
@@ -138,7 +140,8 @@ class Trainer:
                     break
             engine.end_of_epoch()
             metrics = engine.collector.reduce(strategy)
-            elapsed = time.perf_counter() - started
+            # the slowest rank's time, so every rank holds identical metrics
+            elapsed = float(strategy.all_reduce_max(np.array([time.perf_counter() - started]))[0])
             samples = engine.collector.last_total("train/loss")
             metrics["throughput/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
             for i, lr in enumerate(engine.current_lrs()):

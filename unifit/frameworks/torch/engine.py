@@ -37,7 +37,7 @@ class TorchEngine(Engine):
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
         self._move = self.device.type != "cpu"
         self.module.to(self.device)
-        self.optimizer, self.scheduler, self.interval = _parse_optimizers(self.module.configure_optimizers())
+        self.optimizer, self.scheduler, self.interval = _parse_optimizers(_configure_optimizers(self.module))
 
         pin = self.device.type == "cuda"
         train_ds = tdata.as_dataset(self.data.train_dataset(), "train_dataset()")
@@ -220,6 +220,16 @@ def _base_validation_step() -> Any:
 
 def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _configure_optimizers(module: torch.nn.Module) -> Any:
+    """The module's optimizers; torch's own argument checks become config errors."""
+    try:
+        return module.configure_optimizers()
+    except ValueError as exc:
+        raise ConfigError(
+            f"{type(module).__name__}.configure_optimizers() rejected its arguments: {exc}; "
+            "fix the module's init_args (e.g. a negative lr)") from None
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""Hand the launch to torchrun (torch.distributed.run); unifit starts no cluster of its own."""
+"""Hand the launch to torchrun (torch.distributed.run); unifit starts no cluster of its own.
+
+`command()` is the equivalent torchrun command line; `launch()` runs that same argument list
+through torchrun's own entry point in this process, so a failed rank ends in one summary line
+and its exit code (2 for a user error) instead of torchrun's traceback.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,34 @@ from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command
 
 
 class TorchrunLauncher(Launcher):
-    def command(self, spec: LaunchSpec) -> list[str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(spec.nproc_per_node)]
+    def torchrun_args(self, spec: LaunchSpec) -> list[str]:
+        args = ["--nproc-per-node", str(spec.nproc_per_node)]
         if spec.nnodes == 1 and not (spec.rdzv_endpoint or spec.master_addr):
-            cmd.append("--standalone")  # a free local port, no rendezvous server to run
+            args.append("--standalone")  # a free local port, no rendezvous server to run
         else:
-            cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
+            args += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank)]
             if spec.rdzv_endpoint:
-                cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
+                args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint]
             if spec.master_addr:
-                cmd += ["--master-addr", spec.master_addr]
+                args += ["--master-addr", spec.master_addr]
             if spec.master_port:
-                cmd += ["--master-port", str(spec.master_port)]
-        return [*cmd, *fit_command(spec)]
+                args += ["--master-port", str(spec.master_port)]
+        return [*args, *fit_command(spec)]
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(spec)]
+
+    def launch(self, spec: LaunchSpec) -> int:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import get_args_parser, run
+
+        args = get_args_parser().parse_args(self.torchrun_args(spec))
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
+            failed = ", ".join(f"rank {rank} exit {code}" for rank, code in codes.items())
+            print(f"unifit: launch failed ({failed}); the ranks' own errors are above", file=sys.stderr)
+            # a rank's own exit code (2: user error, 1: training failure), not the signal that ended the rest
+            return max([code for code in codes.values() if code > 0], default=1)
+        return 0

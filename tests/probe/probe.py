@@ -1,0 +1,101 @@
+"""A probe module + callback that record what each rank saw, for the strategy conformance tests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+import unifit
+
+
+class Indexed(Dataset):
+    """Regression samples that carry their own index, so tests can see the shards."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class ProbeModule(unifit.TrainModule):
+    def __init__(self, n_train: int = 64, n_val: int = 37, lr: float = 0.05, dropout: float = 0.2,
+                 nan_at_step: int | None = None, log_rank_only: str | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(16, 1))
+        self.n_train, self.n_val, self.lr = n_train, n_val, lr
+        self.nan_at_step = nan_at_step
+        self.log_rank_only = log_rank_only
+        self.seen: dict[str, list[int]] = {}
+        self.rank = int(os.environ.get("RANK", 0))
+        self._steps = 0
+
+    def train_dataset(self):
+        return Indexed(self.n_train, seed=1)
+
+    def val_dataset(self):
+        return Indexed(self.n_val, seed=2)
+
+    def training_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.seen.setdefault(f"train_epoch_{self._epoch()}", []).extend(idx.tolist())
+        loss = F.mse_loss(self.net(x).squeeze(1), y)
+        self._steps += 1
+        if self.nan_at_step is not None and self._steps >= self.nan_at_step:
+            loss = loss * float("nan")
+        if self.log_rank_only is not None and self.rank == 0:
+            self.log(self.log_rank_only, 1.0)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.seen.setdefault("val", []).extend(idx.tolist())
+        self.log("val/loss", F.mse_loss(self.net(x).squeeze(1), y))
+        self.log("val/index_mean", idx.double().mean())  # exact global value: (n_val - 1) / 2
+        self.log("val/rank_plus_one", float(self.rank + 1))  # weighted by each rank's shard size
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def _epoch(self) -> int:
+        return self._unifit_epoch
+
+    _unifit_epoch = 0
+
+
+class ProbeReport(unifit.Callback):
+    """Writes report_<rank>.json at the end of fit: shards seen, weights digest, metrics."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_epoch_start(self, ctx) -> None:
+        ctx.module._unifit_epoch = ctx.state.epoch
+
+    def on_fit_end(self, ctx) -> None:
+        params = [p.detach().double().numpy().ravel() for p in ctx.module.parameters()]
+        flat = np.concatenate(params)
+        report = {
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "seen": ctx.module.seen,
+            "weights_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
+            "weights_sum": float(flat.sum()),
+            "metrics": ctx.state.metrics,
+            "global_step": ctx.state.global_step,
+        }
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
+            json.dump(report, f)

@@ -1,0 +1,113 @@
+"""The strategy conformance suite: every strategy, started by its own launcher, must pass it.
+
+Later strategies join by adding their name and process count to helpers.STRATEGY_PROCS.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import STRATEGY_PROCS, assert_ok, launch_probe, metrics_lines, reports
+
+STRATEGIES = list(STRATEGY_PROCS)
+N_TRAIN, N_VAL = 64, 37
+
+
+@pytest.fixture(scope="module", params=STRATEGIES)
+def trained(request, tmp_path_factory) -> tuple[str, Path]:
+    """One 3-epoch probe run per strategy, shared by the checks below."""
+    root = tmp_path_factory.mktemp(f"conf-{request.param}")
+    assert_ok(launch_probe(request.param, root))
+    return request.param, root
+
+
+@pytest.mark.timeout(240)
+def test_every_rank_reported(trained):
+    strategy, root = trained
+    got = reports(root)
+    assert [r["rank"] for r in got] == list(range(STRATEGY_PROCS[strategy]))
+    assert all(r["world_size"] == STRATEGY_PROCS[strategy] for r in got)
+
+
+@pytest.mark.timeout(240)
+def test_train_shards_are_disjoint_and_cover_each_epoch(trained):
+    _, root = trained
+    got = reports(root)
+    for epoch in range(3):
+        shards = [r["seen"][f"train_epoch_{epoch}"] for r in got]
+        flat = [i for shard in shards for i in shard]
+        assert sorted(flat) == list(range(N_TRAIN)), f"epoch {epoch}: shards do not cover the data exactly once"
+    if len(got) > 1:  # reshuffled each epoch
+        assert got[0]["seen"]["train_epoch_0"] != got[0]["seen"]["train_epoch_1"]
+
+
+@pytest.mark.timeout(240)
+def test_validation_shards_are_disjoint_and_uneven_shards_average_exactly(trained):
+    _, root = trained
+    got = reports(root)
+    per_rank_val = [len(r["seen"]["val"]) // 3 for r in got]  # validated after each of 3 epochs
+    assert sum(per_rank_val) == N_VAL
+    seen = sorted(i for r in got for i in r["seen"]["val"][: per_rank_val[r["rank"]]])
+    assert seen == list(range(N_VAL))
+    metrics = got[0]["metrics"]
+    assert metrics["val/index_mean"] == pytest.approx((N_VAL - 1) / 2, abs=1e-12)
+    expected = sum((rank + 1) * n for rank, n in enumerate(per_rank_val)) / N_VAL
+    assert metrics["val/rank_plus_one"] == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.timeout(240)
+def test_weights_and_metrics_identical_on_all_ranks(trained):
+    _, root = trained
+    got = reports(root)
+    assert len({r["weights_sha256"] for r in got}) == 1
+    assert all(r["metrics"] == got[0]["metrics"] for r in got)
+    assert all(r["global_step"] == got[0]["global_step"] for r in got)
+
+
+@pytest.mark.timeout(240)
+def test_only_rank_zero_wrote_files(trained):
+    strategy, root = trained
+    ckpts = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert ckpts == ["epoch=0001-step=%07d" % (8 // STRATEGY_PROCS[strategy]),
+                     "epoch=0002-step=%07d" % (16 // STRATEGY_PROCS[strategy]),
+                     "epoch=0003-step=%07d" % (24 // STRATEGY_PROCS[strategy]),
+                     "last.json"]
+    events = list((root / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1, events
+    assert len(metrics_lines(root)) == 3
+    assert (root / "config.yaml").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_tensorboard_holds_epoch_and_step_scalars(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    strategy, root = trained
+    acc = EventAccumulator(str(root / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "lr", "throughput/samples_per_s", "train/loss_step", "lr_step"} <= tags
+    lines = metrics_lines(root)
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [line["step"] for line in lines]
+    assert [e.value for e in loss] == pytest.approx([line["train/loss"] for line in lines], rel=1e-6)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_continues_the_same_loss_curve(strategy, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert_ok(launch_probe(strategy, full, "--trainer.max_epochs", "4"))
+    assert_ok(launch_probe(strategy, part, "--trainer.max_epochs", "2"))
+    resumed = launch_probe(strategy, part, "--trainer.max_epochs", "4", ckpt="last")
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stderr
+    a, b = metrics_lines(full), metrics_lines(part)
+    assert [line["epoch"] for line in b] == [1, 2, 3, 4]
+    for key in ("train/loss", "val/loss", "lr"):
+        assert [line[key] for line in b] == pytest.approx([line[key] for line in a], rel=1e-9), key
+    assert reports(full)[0]["weights_sha256"] == reports(part)[0]["weights_sha256"]
+    assert json.loads((part / "checkpoints" / "last.json").read_text())["epoch"] == 4
