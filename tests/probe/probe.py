@@ -31,12 +31,13 @@ class Indexed(Dataset):
 
 class ProbeModule(unifit.TrainModule):
     def __init__(self, n_train: int = 64, n_val: int = 37, lr: float = 0.05, dropout: float = 0.2,
-                 nan_at_step: int | None = None, log_rank_only: str | None = None) -> None:
+                 nan_at_step: int | None = None, nan_rank: int | None = None,
+                 log_rank_only: str | None = None, save_on_rank_zero_only: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout),
                                        torch.nn.Linear(16, 1))
         self.n_train, self.n_val, self.lr = n_train, n_val, lr
-        self.nan_at_step = nan_at_step
+        self.nan_at_step, self.nan_rank = nan_at_step, nan_rank
         self.log_rank_only = log_rank_only
         self.seen: dict[str, list[int]] = {}
         self.rank = int(os.environ.get("RANK", 0))
@@ -53,7 +54,7 @@ class ProbeModule(unifit.TrainModule):
         self.seen.setdefault(f"train_epoch_{self._epoch()}", []).extend(idx.tolist())
         loss = F.mse_loss(self.net(x).squeeze(1), y)
         self._steps += 1
-        if self.nan_at_step is not None and self._steps >= self.nan_at_step:
+        if self.nan_at_step == self._steps and self.nan_rank in (None, self.rank):
             loss = loss * float("nan")
         if self.log_rank_only is not None and self.rank == 0:
             self.log(self.log_rank_only, 1.0)
@@ -99,3 +100,11 @@ class ProbeReport(unifit.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
             json.dump(report, f)
+
+
+class SaveOnRankZeroOnly(unifit.Callback):
+    """The classic mistake: saving inside `if rank == 0`. It must fail, not hang."""
+
+    def on_train_epoch_end(self, ctx) -> None:
+        if ctx.rank == 0:
+            ctx.save_checkpoint()
