@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install what a unifit job needs into .venv (override with UNIFIT_VENV). Safe to run again:
+# an unchanged profile is detected by a stamp and costs nothing.
+#   scripts/setup.sh main   # the example job: torch (CPU build) + scikit-learn
+#   scripts/setup.sh test   # everything the test suite needs
+set -euo pipefail
+profile="${1:-main}"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+venv="${UNIFIT_VENV:-$repo/.venv}"
+python="${UNIFIT_PYTHON:-$(command -v python3.11 || command -v python3)}"
+# A bare 'torch' requirement can pull a multi-GB CUDA build; the pinned CPU build comes first.
+torch_spec="${UNIFIT_TORCH_SPEC:-torch==2.13.0}"
+
+case "$profile" in
+  main) extras="torch,examples" ;;
+  test) extras="all" ;;
+  *) echo "setup.sh: unknown profile '$profile'; use 'main' or 'test'" >&2; exit 2 ;;
+esac
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+stamp="$venv/.unifit-$profile-$(cat "$repo/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "$torch_spec"
+"${pip[@]}" -e "$repo[$extras]"
+touch "$stamp"

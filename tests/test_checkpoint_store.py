@@ -1,0 +1,102 @@
+"""Checkpoint commits are atomic; uncommitted ones are never loaded; retention protects what matters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from unifit.errors import CheckpointNotFoundError
+from unifit.trainer.checkpoint_store import MARKER, CheckpointStore, checkpoint_name
+
+
+def _writer(text: str):
+    def write(fs, directory):
+        fs.pipe_file(f"{directory}/state.pt", text.encode())
+    return write
+
+
+def test_save_commits_and_points_last(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.save(checkpoint_name(1, 10), _writer("one"), {"epoch": 1})
+    store.save(checkpoint_name(2, 20), _writer("two"), {"epoch": 2})
+    assert store.committed() == ["epoch=0001-step=0000010", "epoch=0002-step=0000020"]
+    fs, path = store.resolve("last")
+    assert fs.cat_file(f"{path}/state.pt") == b"two"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]
+
+
+def test_uncommitted_checkpoint_is_ignored(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.save(checkpoint_name(1, 10), _writer("one"), {"epoch": 1})
+    half = tmp_path / checkpoint_name(2, 20)
+    half.mkdir()
+    (half / "state.pt").write_text("partial")  # no commit marker
+    assert store.committed() == ["epoch=0001-step=0000010"]
+    with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
+        store.resolve(str(half))
+    assert store.resolve("last")[1].endswith("epoch=0001-step=0000010")
+
+
+def test_failed_write_leaves_nothing_and_keeps_last(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.save(checkpoint_name(1, 10), _writer("one"), {"epoch": 1})
+
+    def broken(fs, directory):
+        fs.pipe_file(f"{directory}/state.pt", b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        store.save(checkpoint_name(2, 20), broken, {"epoch": 2})
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0001-step=0000010", "last.json"]
+
+
+def test_prune_keeps_newest_best_and_resumed_from(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    names = [checkpoint_name(e, e * 10) for e in range(1, 7)]
+    for name in names:
+        store.save(name, _writer(name), {})
+    store.set_best(names[1], "val/acc", 0.9)
+    deleted = store.prune(2, protected={names[0]})
+    assert store.committed() == [names[0], names[1], names[4], names[5]]
+    assert deleted == [names[2], names[3]]
+    assert store.resolve("best")[1].endswith(names[1])
+
+
+def test_missing_pointer_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="--ckpt-path best: no committed checkpoint"):
+        CheckpointStore(str(tmp_path / "nothing")).resolve("best")
+
+
+@pytest.mark.timeout(60)
+def test_process_killed_mid_save_leaves_no_committed_partial_checkpoint(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from unifit.trainer.checkpoint_store import CheckpointStore
+        store = CheckpointStore({str(tmp_path)!r})
+        store.save("epoch=0001-step=0000010", lambda fs, d: fs.pipe_file(d + "/state.pt", b"good"), {{}})
+        def slow(fs, d):
+            with fs.open(d + "/state.pt", "wb") as f:
+                f.write(b"x" * 1000)
+                f.flush()
+                print("writing", flush=True)
+                time.sleep(60)
+        store.save("epoch=0002-step=0000020", slow, {{}})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    store = CheckpointStore(str(tmp_path))
+    assert store.committed() == ["epoch=0001-step=0000010"]
+    fs, path = store.resolve("last")
+    assert fs.cat_file(f"{path}/state.pt") == b"good"
+    assert not (tmp_path / "epoch=0002-step=0000020").exists()
+    assert not os.path.exists(os.path.join(path, "..", "epoch=0002-step=0000020", MARKER))

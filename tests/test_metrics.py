@@ -1,0 +1,52 @@
+"""Sample-weighted metric averaging over ranks, simulated with a fake two-rank world."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from unifit.errors import DistributedError
+from unifit.trainer.metrics import MetricCollector, _agreed_keys
+
+
+class TwoRankWorld:
+    """Plays both ranks: all_gather returns both key lists; all_reduce adds the other's sums."""
+
+    def __init__(self, other_keys, other_sums):
+        self.other_keys, self.other_sums = other_keys, other_sums
+
+    def all_gather_object(self, obj):
+        return [obj, self.other_keys]
+
+    def all_reduce_sum(self, values):
+        return values + self.other_sums
+
+
+def test_weighted_mean_is_exact_with_uneven_shards():
+    rank0 = MetricCollector(lambda v: np.asarray(v, dtype=float))
+    for value, count in [(1.0, 10), (3.0, 10), (2.0, 5)]:
+        rank0.add("val/acc", value, count)
+    # rank 1 logged one batch of 2 samples with value 10: sums (20, 2)
+    world = TwoRankWorld(["val/acc"], np.array([20.0, 2.0]))
+    result = rank0.reduce(world)
+    assert result["val/acc"] == pytest.approx((10 + 30 + 10 + 20) / 27)
+    assert rank0.last_total("val/acc") == 27
+
+
+def test_rank_with_no_batches_may_log_nothing():
+    idle = MetricCollector(lambda v: np.asarray(v, dtype=float))
+    world = TwoRankWorld(["val/acc"], np.array([6.0, 3.0]))
+    assert idle.reduce(world) == {"val/acc": 2.0}
+
+
+def test_keys_reduced_in_sorted_order():
+    collector = MetricCollector(lambda v: np.asarray(v, dtype=float))
+    collector.add("b", 1.0, 1)
+    collector.add("a", 5.0, 1)
+    world = TwoRankWorld(["a", "b"], np.array([0.0, 0.0, 1.0, 1.0]))  # [a_sum, b_sum, a_n, b_n]
+    assert collector.reduce(world) == {"a": 2.5, "b": 0.5}
+
+
+def test_key_on_some_ranks_only_is_an_error():
+    with pytest.raises(DistributedError, match=r"'x' was logged on ranks \[0\] but not on ranks \[1\]"):
+        _agreed_keys([["loss", "x"], ["loss"], []])

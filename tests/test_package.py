@@ -1,0 +1,50 @@
+"""Packaging promises: import without optional frameworks, docs generated from the schema."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+
+def test_config_reference_matches_the_schema():
+    from unifit.trainer.config_docs import render
+
+    assert (REPO / "docs" / "config.md").read_text() == render(), (
+        "docs/config.md is out of date: run python -m unifit.trainer.config_docs > docs/config.md")
+
+
+@pytest.mark.timeout(120)
+def test_torch_path_works_with_tensorflow_and_horovod_unimportable(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        for name in ("tensorflow", "keras", "horovod"):
+            sys.modules[name] = None  # what Python does for a package that is not installed
+        import unifit
+        from tests.probe.probe import ProbeModule
+        state = unifit.Trainer(max_epochs=1, root_dir={str(tmp_path)!r}, progress_bar=False).fit(ProbeModule())
+        assert state.epoch == 1
+        assert not any(m.split(".")[0] in ("tensorflow", "keras", "horovod") for m, v in sys.modules.items() if v)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
+
+
+def test_import_unifit_imports_no_framework():
+    result = subprocess.run([sys.executable, "-c", "import sys, unifit; print(sorted(m for m in ('torch', 'tensorflow') if m in sys.modules))"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_registry_refuses_a_module_of_another_framework():
+    from unifit.errors import ConfigError
+    from unifit.strategies import registry
+
+    with pytest.raises(ConfigError, match="'ddp' trains torch modules, but KerasThing is a tensorflow module"):
+        registry.check_framework("ddp", "tensorflow", "KerasThing")
