@@ -22,6 +22,7 @@ class MetricCollector:
         self._to_numpy = to_numpy
         self._entries: dict[str, tuple[list[Any], list[int]]] = {}
         self._last_totals: dict[str, float] = {}
+        self.batch_count = 1  # samples in the current batch: the default weight of self.log
 
     def last_total(self, name: str) -> float:
         """Samples counted for `name` over all ranks in the last reduce."""

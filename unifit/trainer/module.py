@@ -16,7 +16,6 @@ class ModuleBase:
     engine: ClassVar[str]
 
     _unifit_collector: Any = None
-    _unifit_batch_count: int = 1
 
     def log(self, name: str, value: Any, *, batch_size: int | None = None) -> None:
         """Record a metric; it is averaged over the epoch and all ranks, weighted by samples.
@@ -25,7 +24,7 @@ class ModuleBase:
         """
         collector = self._unifit_collector
         if collector is not None:
-            collector.add(name, self._detach(value), batch_size or self._unifit_batch_count)
+            collector.add(name, self._detach(value), batch_size or collector.batch_count)
 
     def log_dict(self, metrics: dict[str, Any], *, batch_size: int | None = None) -> None:
         for name, value in metrics.items():

@@ -64,7 +64,10 @@ class TorchEngine(Engine):
         self.policy = LRPolicy.from_config(cfg, strategy.world_size, steps_per_epoch)
         _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
         self._steps = 0
-        self.wrapped = strategy.prepare_model(_StepModule(self.module), self.device)
+        step_module = _StepModule(self.module)
+        self.wrapped = strategy.prepare_model(step_module, self.device)
+        # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
+        self._forward = self.module.training_step if self.wrapped is step_module else self.wrapped
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -91,21 +94,21 @@ class TorchEngine(Engine):
 
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         count = tdata.batch_size_of(batch)
-        self.module._unifit_batch_count = count
+        self.collector.batch_count = count
         accumulate = self.accumulate
         if accumulate == 1:
-            loss = _loss_of(self.wrapped(batch, batch_idx))
+            loss = _loss_of(self._forward(batch, batch_idx))
             loss.backward()
             self._optimizer_step()
         else:
             boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches
             if boundary:
-                loss = _loss_of(self.wrapped(batch, batch_idx))
+                loss = _loss_of(self._forward(batch, batch_idx))
                 (loss / accumulate).backward()
                 self._optimizer_step()
             else:
                 with self.strategy.no_sync(self.wrapped):
-                    loss = _loss_of(self.wrapped(batch, batch_idx))
+                    loss = _loss_of(self._forward(batch, batch_idx))
                     (loss / accumulate).backward()
         loss = loss.detach()
         self.collector.add("train/loss", loss, count)
@@ -148,14 +151,16 @@ class TorchEngine(Engine):
             yield tdata.to_device(batch, self.device) if self._move else batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.module._unifit_batch_count = tdata.batch_size_of(batch)
+        self.collector.batch_count = tdata.batch_size_of(batch)
         with torch.no_grad():
             self.module.validation_step(batch, batch_idx)
 
     # ---- numbers ------------------------------------------------------------------------
     def to_numpy(self, values: list[Any]) -> np.ndarray:
+        if values and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in values):
+            return torch.stack(values).double().cpu().numpy()  # one op, one device sync
         if values and all(isinstance(v, torch.Tensor) for v in values):
-            return torch.stack([v.float().reshape(-1).mean() for v in values]).cpu().numpy()
+            return torch.stack([v.double().reshape(-1).mean() for v in values]).cpu().numpy()
         return np.asarray([float(v) for v in values], dtype=np.float64)
 
     def is_finite(self, value: Any) -> bool:
