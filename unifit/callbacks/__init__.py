@@ -6,12 +6,12 @@ from unifit.callbacks.base import Callback
 from unifit.callbacks.checkpoint import ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
 from unifit.callbacks.nan_guard import NanGuard
-from unifit.callbacks.progress import ProgressBar
+from unifit.callbacks.progress import EpochSummary, ProgressBar
 from unifit.callbacks.run_directory import RunDirectory
 from unifit.callbacks.tensorboard import TensorBoardLogger
 from unifit.trainer.config import TrainerConfig
 
-__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "NanGuard", "ProgressBar", "RunDirectory",
+__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "EpochSummary", "NanGuard", "ProgressBar", "RunDirectory",
            "TensorBoardLogger", "default_callbacks"]
 
 
@@ -28,5 +28,7 @@ def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
     if cfg.tensorboard.enabled:
         callbacks.append(TensorBoardLogger(cfg.tensorboard_dir, cfg.tensorboard.log_every_n_steps))
     callbacks.append(RunDirectory(cfg.root_dir))
-    callbacks.append(ProgressBar(cfg.progress_bar))
+    callbacks.append(EpochSummary())
+    if ProgressBar.wanted(cfg.progress_bar):
+        callbacks.append(ProgressBar())
     return callbacks

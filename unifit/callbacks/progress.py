@@ -1,4 +1,4 @@
-"""Progress on rank 0: a tqdm bar when attached to a terminal, one line per epoch always."""
+"""Progress on rank 0: one summary line per epoch always, a tqdm bar only on a terminal."""
 
 from __future__ import annotations
 
@@ -12,36 +12,16 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return "  ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
 
 
-class ProgressBar(Callback):
+class EpochSummary(Callback):
+    """Plain lines (fit as logs): the set-up, each epoch's averaged metrics, the final metrics."""
+
     rank_zero_only = True
 
-    def __init__(self, enabled: bool = True, refresh_every_n_steps: int = 20) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self.every = refresh_every_n_steps
-        self._bar: Any = None
-
     def on_setup(self, ctx: Any) -> None:
-        print(f"unifit: strategy {ctx.config.strategy}, world size {ctx.world_size}, "
-              f"global batch {ctx.config.batch_size * ctx.world_size * ctx.config.accumulate_grad_batches}, "
+        cfg = ctx.config
+        print(f"unifit: strategy {cfg.strategy}, world size {ctx.world_size}, "
+              f"global batch {cfg.batch_size * ctx.world_size * cfg.accumulate_grad_batches}, "
               f"{ctx.batches_per_epoch} batches/epoch per rank", flush=True)
-
-    def on_train_epoch_start(self, ctx: Any) -> None:
-        if self.enabled:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=ctx.batches_per_epoch, desc=f"epoch {ctx.state.epoch + 1}/{ctx.config.max_epochs}",
-                             leave=False, dynamic_ncols=True)
-
-    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        bar = self._bar
-        if bar is None:
-            return
-        bar.update(1)
-        if batch_idx % self.every == 0:
-            bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
-
-    def on_train_epoch_end(self, ctx: Any) -> None:
-        self._close()
 
     def on_epoch_end(self, ctx: Any) -> None:
         print(f"epoch {ctx.state.epoch}/{ctx.config.max_epochs}  step {ctx.state.global_step}  "
@@ -49,6 +29,34 @@ class ProgressBar(Callback):
 
     def on_fit_end(self, ctx: Any) -> None:
         print(f"final metrics: {format_metrics(ctx.state.metrics)}", flush=True)
+
+
+class ProgressBar(Callback):
+    """A tqdm bar per epoch; only added when stderr is a terminal (see `wanted`)."""
+
+    rank_zero_only = True
+
+    def __init__(self, refresh_every_n_steps: int = 20) -> None:
+        self.every = refresh_every_n_steps
+        self._bar: Any = None
+
+    @staticmethod
+    def wanted(enabled: bool) -> bool:
+        return enabled and sys.stderr.isatty()
+
+    def on_train_epoch_start(self, ctx: Any) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=ctx.batches_per_epoch, desc=f"epoch {ctx.state.epoch + 1}/{ctx.config.max_epochs}",
+                         leave=False, dynamic_ncols=True)
+
+    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
+        self._bar.update(1)
+        if batch_idx % self.every == 0:
+            self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+
+    def on_train_epoch_end(self, ctx: Any) -> None:
+        self._close()
 
     def on_teardown(self, ctx: Any) -> None:
         self._close()
