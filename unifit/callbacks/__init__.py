@@ -26,8 +26,11 @@ def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
     if cfg.checkpoint.enabled:
         callbacks.append(ModelCheckpoint(cfg.checkpoint))
     if cfg.tensorboard.enabled:
-        callbacks.append(TensorBoardLogger(cfg.tensorboard_dir, cfg.tensorboard.log_every_n_steps))
-    callbacks.append(RunDirectory(cfg.root_dir))
+        tb = cfg.tensorboard
+        callbacks.append(TensorBoardLogger(
+            cfg.tensorboard_dir, tb.log_every_n_steps, sync_to=cfg.tensorboard_sync_to,
+            sync_every_s=tb.sync_every_s, rotate_mb=tb.rotate_mb, storage_options=cfg.storage_options))
+    callbacks.append(RunDirectory(cfg.root_dir, cfg.storage_options))
     callbacks.append(EpochSummary())
     if ProgressBar.wanted(cfg.progress_bar):
         callbacks.append(ProgressBar())

@@ -1,28 +1,39 @@
-"""The run directory, written by rank 0: the resolved config and one JSON line per epoch."""
+"""The run directory, written by rank 0: the resolved config and one JSON line per epoch.
+
+Works on any fsspec location: metrics.jsonl is rewritten whole each epoch (object stores
+cannot append; the file is one short line per epoch).
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import fsspec
-
 from unifit.callbacks.base import Callback
+from unifit.storage import filesystem
 
 
 class RunDirectory(Callback):
     rank_zero_only = True
 
-    def __init__(self, root_dir: str) -> None:
-        self.fs, self.root = fsspec.core.url_to_fs(root_dir)
+    def __init__(self, root_dir: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.fs, self.root = filesystem(root_dir, storage_options)
+        self.lines: list[str] = []
 
     def on_setup(self, ctx: Any) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
         self.fs.pipe_file(f"{self.root}/config.yaml", ctx.extra["resolved_config"].encode())
-        if not ctx.extra.get("resumed_from"):
-            self.fs.pipe_file(f"{self.root}/metrics.jsonl", b"")
+        if ctx.extra.get("resumed_from"):  # keep the epochs before the checkpoint, drop any after it
+            try:
+                old = self.fs.cat_file(f"{self.root}/metrics.jsonl").decode().splitlines()
+            except FileNotFoundError:
+                old = []
+            self.lines = [line for line in old if line and json.loads(line)["epoch"] <= ctx.state.epoch]
+        self._write()
 
     def on_epoch_end(self, ctx: Any) -> None:
-        line = json.dumps({"epoch": ctx.state.epoch, "step": ctx.state.global_step, **ctx.state.metrics})
-        with self.fs.open(f"{self.root}/metrics.jsonl", "a") as f:
-            f.write(line + "\n")
+        self.lines.append(json.dumps({"epoch": ctx.state.epoch, "step": ctx.state.global_step, **ctx.state.metrics}))
+        self._write()
+
+    def _write(self) -> None:
+        self.fs.pipe_file(f"{self.root}/metrics.jsonl", "".join(line + "\n" for line in self.lines).encode())

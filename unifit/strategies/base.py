@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from unifit.errors import ConfigError
+from unifit.errors import ConfigError, UnifitError
 from unifit.strategies.environment import ClusterEnvironment
 
 
@@ -92,6 +92,21 @@ class Strategy(ABC):
 
     def barrier(self, name: str) -> None:
         """Every rank must reach the barrier `name`; one that does not makes it fail, not hang."""
+
+    def rank_zero_call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on rank 0 only and give every rank its result, or raise its error on every rank."""
+        outcome: tuple[Any, BaseException | None] = (None, None)
+        if self.is_global_zero:
+            try:
+                outcome = (fn(), None)
+            except UnifitError as exc:
+                outcome = (None, exc)
+            except Exception as exc:  # every rank must learn about it, not only rank 0
+                outcome = (None, UnifitError(f"{type(exc).__name__}: {exc}"))
+        value, error = self.broadcast_object(outcome)
+        if error is not None:
+            raise error
+        return value
 
 
 class TorchDistributedStrategy(Strategy, ABC):

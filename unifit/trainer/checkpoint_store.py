@@ -15,9 +15,8 @@ import re
 import uuid
 from typing import Any, Callable
 
-import fsspec
-
 from unifit.errors import CheckpointNotFoundError
+from unifit.storage import filesystem
 
 MARKER = "COMMITTED.json"
 _NAME = re.compile(r"^epoch=(\d+)-step=(\d+)$")
@@ -30,8 +29,9 @@ def checkpoint_name(epoch: int, step: int) -> str:
 class CheckpointStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
-        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        self._renames = "file" in _protocols(self.fs)
+        self.storage_options = storage_options or {}
+        self.fs, self.root = filesystem(url, self.storage_options)
+        self._renames = "file" in _protocols(self.fs)  # local disks rename; object stores commit by marker
 
     def path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
@@ -98,6 +98,7 @@ class CheckpointStore:
     # ---- reading ----------------------------------------------------------------------------
     def committed(self) -> list[str]:
         """Names of committed checkpoints, oldest first."""
+        self.fs.invalidate_cache()  # object-store listings are cached; another process may have written
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -119,7 +120,8 @@ class CheckpointStore:
                     f"--ckpt-path {spec}: no committed checkpoint in '{self.url}'; "
                     "train without --ckpt-path first, or point trainer.checkpoint.dir at the run to resume")
             return self.fs, self.path(pointer["name"])
-        fs, path = (self.fs, self.path(spec)) if _NAME.match(spec) else fsspec.core.url_to_fs(spec)
+        self.fs.invalidate_cache()
+        fs, path = (self.fs, self.path(spec)) if _NAME.match(spec) else filesystem(spec, self.storage_options)
         if not fs.exists(f"{path.rstrip('/')}/{MARKER}"):
             raise CheckpointNotFoundError(
                 f"--ckpt-path {spec}: not a committed checkpoint (no {MARKER}); "

@@ -36,11 +36,14 @@ class CheckpointConfig(_Strict):
 
 
 class TensorBoardConfig(_Strict):
-    """TensorBoard scalars written by rank 0."""
+    """TensorBoard scalars written by rank 0 to a local directory, optionally mirrored to S3 (or any fsspec URL)."""
 
     enabled: bool = Field(True, description="Write TensorBoard event files.")
-    log_dir: str | None = Field(None, description="Directory for event files; default <root_dir>/tensorboard.")
+    log_dir: str | None = Field(None, description="Local directory for event files; default <root_dir>/tensorboard (a temporary directory when root_dir is a URL).")
     log_every_n_steps: PositiveInt = Field(50, description="Also write the step loss and lr every N optimizer steps (epoch metrics are always written).")
+    sync_to: str | None = Field(None, description="Mirror the event files to this URL (e.g. s3://bucket/run/tb) from a background thread.")
+    sync_every_s: PositiveFloat = Field(30.0, description="Seconds between background syncs (also synced at every epoch end, at the end and on failure).")
+    rotate_mb: PositiveFloat = Field(4.0, description="Start a new event file past this size, so a sync never re-uploads a large file.")
 
 
 class EarlyStoppingConfig(_Strict):
@@ -81,6 +84,7 @@ class TrainerConfig(_Strict):
     limit_val_batches: NonNegativeInt | None = Field(None, description="Use at most this many validation batches (0 turns validation off).")
     validate_every_n_epochs: PositiveInt = Field(1, description="Run validation after every N-th epoch (and the last).")
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (only when attached to a terminal).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for every URL (e.g. {endpoint_url: ..., profile: ...}); secrets are never saved or printed. Default: the standard AWS environment and config files.")
     collective_timeout_s: PositiveFloat = Field(300.0, description="A collective or barrier that waits longer fails every rank instead of hanging.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="See CheckpointConfig.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
@@ -108,8 +112,18 @@ class TrainerConfig(_Strict):
         return self.checkpoint.dir or join_path(self.root_dir, "checkpoints")
 
     @property
-    def tensorboard_dir(self) -> str:
-        return self.tensorboard.log_dir or join_path(self.root_dir, "tensorboard")
+    def tensorboard_dir(self) -> str | None:
+        """Always local (event files are written locally and synced); None: a temporary directory."""
+        if self.tensorboard.log_dir:
+            return self.tensorboard.log_dir
+        return None if "://" in self.root_dir else join_path(self.root_dir, "tensorboard")
+
+    @property
+    def tensorboard_sync_to(self) -> str | None:
+        """Where event files are mirrored: `sync_to`, or <root_dir>/tensorboard for a URL root_dir."""
+        if self.tensorboard.sync_to or "://" not in self.root_dir or self.tensorboard.log_dir:
+            return self.tensorboard.sync_to
+        return join_path(self.root_dir, "tensorboard")
 
 
 class ExperimentConfig(_Strict):

@@ -80,6 +80,10 @@ def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str
     if err["type"] == "missing":
         return f"'{field}' is required but missing; add it to the config"
     received = err.get("input")
+    if any("storage_options" in str(p) for p in loc):
+        from unifit.storage import redact
+
+        received = redact(received)
     msg = err["msg"].removeprefix("Value error, ")
     return f"'{field}' received {received!r}: {msg}; fix the value of {field}"
 
@@ -100,5 +104,9 @@ def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
 
 
 def resolved_yaml(config: ExperimentConfig) -> str:
-    """The fully resolved config as YAML (what print-config shows and each run saves)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The fully resolved config as YAML (what print-config shows and each run saves), secrets redacted."""
+    from unifit.storage import redact
+
+    data = config.model_dump(mode="json")
+    data["trainer"]["storage_options"] = redact(data["trainer"]["storage_options"])
+    return yaml.safe_dump(data, sort_keys=False)

@@ -14,7 +14,8 @@ import numpy as np
 
 from unifit._imports import load_object
 from unifit.callbacks.base import Callback
-from unifit.errors import CheckpointNotFoundError, ConfigError, UnifitError
+from unifit.errors import ConfigError, UnifitError
+from unifit.storage import check_writable
 from unifit.strategies import environment, registry
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
@@ -54,11 +55,12 @@ class Trainer:
             cfg.strategy, environment.detect(), accelerator=cfg.accelerator,
             collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
         engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, cfg)
-        store = CheckpointStore(cfg.checkpoint_dir)
+        store = CheckpointStore(cfg.checkpoint_dir, cfg.storage_options)
         self.state = state = TrainState()
         dispatch: Dispatcher | None = None
         try:
             strategy.setup()
+            strategy.rank_zero_call(self._check_storage)  # a bad bucket or credentials stop every rank now
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             state.steps_per_epoch = -(-engine.batches_per_epoch // cfg.accumulate_grad_batches)
@@ -174,16 +176,12 @@ class Trainer:
     def _resume(self, spec: str) -> str:
         """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast)."""
         engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
-        found: tuple[Any, str | None, str | None] = (None, None, None)
-        if strategy.is_global_zero:
-            try:
-                fs, path = store.resolve(spec)
-                found = (engine.read_checkpoint(fs, path), path, None)
-            except Exception as exc:  # every rank must learn about it, not only rank 0
-                found = (None, None, f"{type(exc).__name__}: {exc}" if not isinstance(exc, UnifitError) else str(exc))
-        payload, path, error = strategy.broadcast_object(found)
-        if error:
-            raise CheckpointNotFoundError(error)
+
+        def read() -> tuple[dict[str, Any], str]:
+            fs, path = store.resolve(spec)
+            return engine.read_checkpoint(fs, path), path
+
+        payload, path = strategy.rank_zero_call(read)
         engine.load_state_dict(payload["engine"])
         self.state = TrainState.from_dict(payload["trainer"])
         self.state.should_stop, self.state.stop_reason = False, None
@@ -198,6 +196,16 @@ class Trainer:
             engine.seed(self.config.seed + strategy.rank + 1000 * self.state.epoch)
         log.info("resumed from %s (epoch %d, step %d)", path, self.state.epoch, self.state.global_step)
         return path.rstrip("/").rsplit("/", 1)[-1]
+
+    def _check_storage(self) -> None:
+        cfg = self.config
+        locations = {"trainer.root_dir": cfg.root_dir}
+        if cfg.checkpoint.enabled:
+            locations["trainer.checkpoint.dir"] = cfg.checkpoint_dir
+        if cfg.tensorboard.enabled and cfg.tensorboard_sync_to:
+            locations["trainer.tensorboard.sync_to"] = cfg.tensorboard_sync_to
+        for field, url in locations.items():
+            check_writable(url, cfg.storage_options, field)
 
     def _resolved_config(self, module: Any) -> str:
         if self.experiment is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from typing import Any, Iterator
@@ -209,12 +210,13 @@ class TorchEngine(Engine):
         torch.manual_seed(seed)
 
     def write_checkpoint(self, fs: Any, directory: str, payload: dict[str, Any]) -> None:
-        with fs.open(f"{directory}/state.pt", "wb") as f:
-            torch.save(payload, f)
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        fs.pipe_file(f"{directory}/state.pt", buffer.getvalue())  # one PUT on object stores
 
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
-        with fs.open(f"{directory}/state.pt", "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+        data = fs.cat_file(f"{directory}/state.pt")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def _base_validation_step() -> Any:

@@ -1,0 +1,70 @@
+"""Storage locations: local paths or fsspec URLs (s3://...), checked before training starts.
+
+Options for the file system (endpoint_url, profile, key/secret, ...) come from
+`trainer.storage_options` or, for S3, from the standard AWS environment and config files.
+Secrets in them are never written to logs, the saved config or error messages (`redact`).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import fsspec
+
+from unifit.errors import ConfigError
+
+_SECRET = re.compile(r"(secret|password|token|key|credential)", re.IGNORECASE)
+_PROTOCOL_EXTRA = {"s3": "s3", "s3a": "s3"}
+
+
+def redact(options: Any) -> Any:
+    """A copy of `options` with every secret-looking value replaced by '***'."""
+    if isinstance(options, dict):
+        return {k: ("***" if _SECRET.search(str(k)) and not isinstance(v, dict) else redact(v)) for k, v in options.items()}
+    if isinstance(options, list):
+        return [redact(v) for v in options]
+    return options
+
+
+def is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+def filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(file system, path) for a local path or URL; a missing backend names its pip extra."""
+    try:
+        return fsspec.core.url_to_fs(url, **(options or {}) if is_remote(url) else {})
+    except ImportError as exc:
+        protocol = url.split("://", 1)[0]
+        extra = _PROTOCOL_EXTRA.get(protocol, "all")
+        raise ConfigError(f"'{url}' needs the file system for {protocol}:// ({exc}); fix: pip install 'unifit[{extra}]'") from None
+    except ValueError as exc:
+        raise ConfigError(f"'{url}': {exc}; use a local path or a URL like s3://bucket/prefix") from None
+
+
+def check_writable(url: str, options: dict[str, Any] | None, field: str) -> None:
+    """Write and delete a tiny object under `url`, so a missing bucket or bad credentials
+    stop the run before training, with the URL and what to fix."""
+    if not is_remote(url):
+        return
+    fs, path = filesystem(url, options)
+    probe = f"{path.rstrip('/')}/.unifit-write-check-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.pipe_file(probe, b"ok")
+        fs.rm_file(probe)
+    except FileNotFoundError:
+        raise ConfigError(f"{field}: '{url}' cannot be written: the bucket does not exist; create it or fix the URL") from None
+    except PermissionError as exc:
+        raise ConfigError(
+            f"{field}: '{url}' cannot be written: access denied ({_first_line(exc)}); check the credentials "
+            "(AWS_PROFILE, AWS_ACCESS_KEY_ID, trainer.storage_options) and the bucket policy") from None
+    except Exception as exc:  # endpoint unreachable, bad endpoint_url, ...
+        raise ConfigError(f"{field}: '{url}' cannot be written: {type(exc).__name__}: {_first_line(exc)}; "
+                          "check the endpoint and network") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
