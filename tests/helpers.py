@@ -35,16 +35,43 @@ def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = No
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def launch_probe(strategy: str, root: Path, *overrides: str, ckpt: str | None = None,
-                 timeout: float = 180) -> subprocess.CompletedProcess:
+def probe_args(strategy: str, root: Path | str, *overrides: str, ckpt: str | None = None,
+               callbacks: list[dict] | None = None, report_dir: Path | None = None) -> list[str]:
+    report_dir = report_dir or Path(str(root)) / "reports"
+    report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
     args = ["launch", "--nproc-per-node", str(STRATEGY_PROCS[strategy]), "-c", str(PROBE_YAML),
             "--trainer.strategy", strategy, "--trainer.root_dir", str(root),
-            "--trainer.callbacks", json.dumps([{"class_path": "tests.probe.probe.ProbeReport",
-                                                "init_args": {"out_dir": str(root / "reports")}}]),
-            *overrides]
-    if ckpt:
-        args += ["--ckpt-path", ckpt]
-    return run_unifit(*args, timeout=timeout)
+            "--trainer.callbacks", json.dumps([report, *(callbacks or [])]), *overrides]
+    return args + (["--ckpt-path", ckpt] if ckpt else [])
+
+
+def launch_probe(strategy: str, root: Path | str, *overrides: str, ckpt: str | None = None, timeout: float = 180,
+                 callbacks: list[dict] | None = None, report_dir: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_unifit(*probe_args(strategy, root, *overrides, ckpt=ckpt, callbacks=callbacks, report_dir=report_dir),
+                      timeout=timeout, env=env)
+
+
+def start_unifit(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python -m unifit ARGS` in the background (own session; see stop())."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "unifit", *args], cwd=REPO, env=full_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+    """Wait up to `timeout` for proc, then kill its whole session; returns (stdout, stderr)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def reports(root: Path) -> list[dict]:

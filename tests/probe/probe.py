@@ -108,3 +108,15 @@ class SaveOnRankZeroOnly(unifit.Callback):
     def on_train_epoch_end(self, ctx) -> None:
         if ctx.rank == 0:
             ctx.save_checkpoint()
+
+
+class SlowEpochs(unifit.Callback):
+    """Makes each epoch last a while, so a test can act while training runs."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_epoch_end(self, ctx) -> None:
+        import time
+
+        time.sleep(self.seconds)

@@ -125,9 +125,20 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
     return registry.launcher(experiment.trainer.strategy).launch(spec)
 
 
+def _log_to_stderr() -> None:
+    """unifit's own messages on stderr (other libraries' logging is left as they set it)."""
+    logger = logging.getLogger("unifit")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("unifit: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="unifit: %(message)s", stream=sys.stderr)
+    _log_to_stderr()
     args, extra = _parser().parse_known_args(argv)
     try:
         overrides = parse_overrides(extra)

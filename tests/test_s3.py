@@ -1,0 +1,192 @@
+"""S3 everywhere, against a real S3 endpoint over HTTP (moto server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, assert_ok, launch_probe, probe_args, start_unifit, stop
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _s3_lines(fs, url: str) -> list[dict]:
+    return [json.loads(line) for line in fs.cat_file(url).decode().splitlines() if line]
+
+
+def _tb_scalars(fs, url: str, local: Path) -> dict[str, list[tuple[int, float]]]:
+    """Download the synced event files and read them with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fs.invalidate_cache()
+    fs.get(url.rstrip("/") + "/", str(local), recursive=True)
+    acc = EventAccumulator(str(local))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_path, strategy):
+    fs = s3_endpoint.fs()
+    full, part = f"s3://{bucket}/full", f"s3://{bucket}/part"
+    common = ["--trainer.tensorboard.sync_every_s", "0.5"]
+    assert_ok(launch_probe(strategy, full, "--trainer.max_epochs", "4", *common,
+                           report_dir=tmp_path / "full", env=s3_endpoint.env))
+    assert_ok(launch_probe(strategy, part, "--trainer.max_epochs", "2", *common,
+                           report_dir=tmp_path / "part", env=s3_endpoint.env))
+    resumed = launch_probe(strategy, part, "--trainer.max_epochs", "4", *common, ckpt="last",
+                           report_dir=tmp_path / "part", env=s3_endpoint.env)
+    assert_ok(resumed)
+    assert f"resumed from {bucket}/part/checkpoints/epoch=0002" in resumed.stderr
+
+    # checkpoints committed in S3, last pointer at the end; the run resumed from is protected
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/part/checkpoints"))
+    steps = 8 // (2 if strategy == "ddp" else 1)
+    assert names == [f"epoch={e:04d}-step={e * steps:07d}" for e in (2, 3, 4)] + ["last.json"]
+    assert all(fs.exists(f"{bucket}/part/checkpoints/{n}/COMMITTED.json") for n in names[:-1])
+
+    # the resumed loss curve is the uninterrupted one
+    a, b = _s3_lines(fs, f"{full}/metrics.jsonl"), _s3_lines(fs, f"{part}/metrics.jsonl")
+    assert [line["epoch"] for line in b] == [1, 2, 3, 4]
+    assert [line["train/loss"] for line in b] == pytest.approx([line["train/loss"] for line in a], rel=1e-9)
+    assert json.loads((tmp_path / "full" / "report_0.json").read_text())["weights_sha256"] == \
+        json.loads((tmp_path / "part" / "report_0.json").read_text())["weights_sha256"]
+
+    # the synced event files hold every epoch scalar with the right steps (TensorBoard's reader)
+    scalars = _tb_scalars(fs, f"{full}/tensorboard", tmp_path / "tb")
+    assert [step for step, _ in scalars["train/loss"]] == [line["step"] for line in a]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([line["train/loss"] for line in a], rel=1e-6)
+    assert [step for step, _ in scalars["epoch"]] == [line["step"] for line in a]
+    assert "lr_step" in scalars and "val/loss" in scalars
+
+
+def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket, tmp_path):
+    fs = s3_endpoint.fs()
+    tb_url = f"s3://{bucket}/outage/tb"
+    proc = start_unifit(*probe_args(
+        "single", tmp_path / "run", "--trainer.max_epochs", "30", "--trainer.tensorboard.sync_to", tb_url,
+        "--trainer.tensorboard.sync_every_s", "0.3",
+        callbacks=[{"class_path": "tests.probe.probe.SlowEpochs", "init_args": {"seconds": 0.4}}]),
+        env=s3_endpoint.env)
+    try:
+        deadline = time.time() + 60
+        while not _exists(fs, f"{bucket}/outage/tb"):
+            assert time.time() < deadline and proc.poll() is None, "nothing was synced"
+            time.sleep(0.2)
+        s3_endpoint.stop()  # S3 goes away mid-run, longer than s3fs's own retries last ...
+        time.sleep(12)
+        assert proc.poll() is None, "training stopped when S3 went away"
+        s3_endpoint.start()  # ... and comes back
+        out, err = stop(proc, timeout=120)
+    finally:
+        if s3_endpoint.server is None:
+            s3_endpoint.start()
+    assert proc.returncode == 0, err
+    assert err.count("failing") == 1, err  # reported once, not once per retry
+    assert "recovered" in err
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scalars = _tb_scalars(fs, tb_url, tmp_path / "tb")
+    assert [step for step, _ in scalars["train/loss"]] == [line["step"] for line in lines]
+    assert len(lines) == 30
+
+
+def _exists(fs, path: str) -> bool:
+    fs.invalidate_cache()
+    try:
+        return bool(fs.find(path))
+    except Exception:
+        return False
+
+
+def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoint(s3_endpoint, bucket):
+    url = f"s3://{bucket}/killed"
+    script = textwrap.dedent(f"""
+        import time
+        from unifit.trainer.checkpoint_store import CheckpointStore
+        store = CheckpointStore({url!r})
+        store.save("epoch=0001-step=0000010", lambda fs, d: fs.pipe_file(d + "/state.pt", b"good"), {{}})
+        def slow(fs, d):
+            fs.pipe_file(d + "/state.pt", b"partial payload")
+            print("uploading", flush=True)
+            time.sleep(60)
+        store.save("epoch=0002-step=0000020", slow, {{}})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **s3_endpoint.env})
+    try:
+        assert proc.stdout.readline().strip() == "uploading"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    from unifit.trainer.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(url)
+    assert store.fs.exists(f"{bucket}/killed/epoch=0002-step=0000020/state.pt")  # the payload got there ...
+    assert store.committed() == ["epoch=0001-step=0000010"]  # ... but it was never committed
+    fs, path = store.resolve("last")
+    assert fs.cat_file(f"{path}/state.pt") == b"good"
+
+
+def test_missing_bucket_is_found_before_training(s3_endpoint, tmp_path):
+    result = launch_probe("single", tmp_path / "run", "--trainer.checkpoint.dir", "s3://no-such-bucket-x/ckpt",
+                          env=s3_endpoint.env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "trainer.checkpoint.dir: 's3://no-such-bucket-x/ckpt' cannot be written: the bucket does not exist" in result.stderr
+    assert "epoch 1" not in result.stdout
+
+
+def test_bad_credentials_are_found_before_training_and_never_printed(tmp_path):
+    """A second S3 server that checks credentials (moto's auth mode)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port)
+        secret = "very-secret-value-123"
+        options = json.dumps({"endpoint_url": f"http://127.0.0.1:{port}", "key": "AKIAWRONG", "secret": secret})
+        result = launch_probe("single", tmp_path / "run", "--trainer.checkpoint.dir", "s3://some-bucket/ckpt",
+                              "--trainer.storage_options", options, timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+    assert result.returncode == 2, result.stderr
+    assert "'s3://some-bucket/ckpt' cannot be written: access denied" in result.stderr
+    assert "check the credentials" in result.stderr
+    assert secret not in result.stderr + result.stdout
+
+
+def test_secrets_never_reach_the_saved_config(s3_endpoint, bucket, tmp_path):
+    options = json.dumps({"endpoint_url": s3_endpoint.url, "key": s3_endpoint.env["AWS_ACCESS_KEY_ID"],
+                          "secret": s3_endpoint.env["AWS_SECRET_ACCESS_KEY"]})
+    result = launch_probe("single", f"s3://{bucket}/secret-run", "--trainer.max_epochs", "1",
+                          "--trainer.storage_options", options, report_dir=tmp_path)
+    assert_ok(result)
+    saved = s3_endpoint.fs().cat_file(f"{bucket}/secret-run/config.yaml").decode()
+    assert "unifit-test-secret" not in saved and "secret: '***'" in saved
+    assert s3_endpoint.url in saved  # the endpoint is not a secret
+
+
+def _wait_for_port(port: int, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port}")
