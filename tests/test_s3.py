@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_ok, launch_probe, probe_args, start_unifit, stop
+from tests.helpers import REPO, assert_ok, launch_probe, probe_args, run_unifit, start_unifit, stop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -190,3 +190,78 @@ def _wait_for_port(port: int, timeout: float = 30) -> None:
                 return
         time.sleep(0.1)
     raise AssertionError(f"nothing listens on port {port}")
+
+
+def test_data_sharded_by_file_from_s3(s3_endpoint, bucket, tmp_path):
+    from examples.digits.make_shards import write_shards
+
+    write_shards(f"s3://{bucket}/digits", shards=4)
+    result = run_unifit("launch", "--nproc-per-node", "2", "-c", "examples/digits/sharded.yaml",
+                        "--data.init_args.train", f"s3://{bucket}/digits/train-*.npz",
+                        "--data.init_args.val", f"s3://{bucket}/digits/val-*.npz",
+                        "--trainer.root_dir", f"s3://{bucket}/runs/sharded", "--trainer.max_epochs", "6",
+                        env=s3_endpoint.env, timeout=200)
+    assert_ok(result)
+    fs = s3_endpoint.fs()
+    lines = _s3_lines(fs, f"s3://{bucket}/runs/sharded/metrics.jsonl")
+    assert lines[-1]["val/acc"] >= 0.9
+    # 1437 training samples in 4 files; each rank reads 2 files (~718 samples = 23 batches of 32)
+    assert lines[-1]["step"] == 6 * 23
+    assert fs.exists(f"{bucket}/runs/sharded/tensorboard") and fs.exists(f"{bucket}/runs/sharded/checkpoints/last.json")
+
+
+def test_file_shards_split_by_rank_and_refuse_too_few_files(s3_endpoint, bucket):
+    from unifit.data import NpzShards
+    from unifit.errors import ConfigError
+
+    fs = s3_endpoint.fs()
+    import io
+
+    import numpy as np
+
+    for i in range(3):
+        buffer = io.BytesIO()
+        np.savez(buffer, x=np.full((i + 1, 2), i), y=np.full(i + 1, i))
+        fs.pipe_file(f"{bucket}/few/part-{i}.npz", buffer.getvalue())
+    shards = NpzShards(f"s3://{bucket}/few/part-*.npz")
+    x0, y0 = shards.for_rank(0, 2)
+    x1, y1 = shards.for_rank(1, 2)
+    assert sorted(set(y0.tolist())) == [0, 2] and set(y1.tolist()) == {1}  # files 0,2 and file 1
+    with pytest.raises(ConfigError, match="3 files .* cannot be split over 4 ranks"):
+        shards.for_rank(0, 4)
+
+
+def test_unifit_tensorboard_serves_scalars_from_s3(s3_endpoint, bucket, tmp_path):
+    """TensorBoard's own HTTP API answers with the scalars a run synced to S3."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    run = f"s3://{bucket}/viewed"
+    assert_ok(launch_probe("single", run, "--trainer.max_epochs", "3", report_dir=tmp_path, env=s3_endpoint.env))
+    lines = _s3_lines(s3_endpoint.fs(), f"{run}/metrics.jsonl")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    board = start_unifit("tensorboard", f"{run}/tensorboard", "--port", str(port), "--refresh-s", "1",
+                         env=s3_endpoint.env)
+    try:
+        base = f"http://127.0.0.1:{port}/data"
+        deadline, runs = time.time() + 90, []
+        while time.time() < deadline and not runs:
+            assert board.poll() is None, board.communicate()
+            try:
+                runs = json.loads(urllib.request.urlopen(f"{base}/runs", timeout=5).read())
+            except OSError:
+                time.sleep(0.5)
+        assert runs, "TensorBoard listed no runs"
+        query = urllib.parse.urlencode({"run": runs[0], "tag": "train/loss"})
+        deadline, points = time.time() + 60, []
+        while time.time() < deadline and len(points) < 3:
+            points = json.loads(urllib.request.urlopen(f"{base}/plugin/scalars/scalars?{query}", timeout=5).read())
+            time.sleep(0.5)
+    finally:
+        board.terminate()
+        stop(board, timeout=30)
+    assert [p[1] for p in points] == [line["step"] for line in lines]
+    assert [p[2] for p in points] == pytest.approx([line["train/loss"] for line in lines], rel=1e-6)

@@ -23,6 +23,12 @@ class Engine(ABC):
         self.collector = MetricCollector(self.to_numpy)
         module._unifit_collector = self.collector
 
+    def _rank_data(self, data: Any) -> tuple[Any, bool]:
+        """(data, already sharded): data split by file (unifit.data.FileShards) is loaded for this rank only."""
+        if hasattr(data, "for_rank"):
+            return data.for_rank(self.strategy.rank, self.strategy.world_size), True
+        return data, False
+
     @abstractmethod
     def setup(self) -> None:
         """Place the model, build optimizers and data loaders, scale the lr, wrap for the strategy."""

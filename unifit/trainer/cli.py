@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=None)
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
     launch.add_argument("--ckpt-path", default=None)
+    board = sub.add_parser("tensorboard", help="serve TensorBoard for logs on S3 or any fsspec URL (kept mirrored locally)")
+    board.add_argument("url", help="e.g. s3://bucket/run/tensorboard")
+    board.add_argument("--host", default="127.0.0.1")
+    board.add_argument("--port", type=int, default=6006)
+    board.add_argument("--refresh-s", type=float, default=10.0, help="seconds between mirror refreshes")
+    board.add_argument("--storage-options", default="{}", help="fsspec options as YAML/JSON, e.g. '{endpoint_url: http://...}'")
     return parser
 
 
@@ -141,11 +147,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stderr()
     args, extra = _parser().parse_known_args(argv)
     try:
-        overrides = parse_overrides(extra)
+        overrides = parse_overrides(extra) if args.command != "tensorboard" else {}
         if args.command == "print-config":
             from unifit.trainer.loading import resolved_yaml
 
             print(resolved_yaml(load_experiment(args.config, overrides)), end="")
+            return 0
+        if args.command == "tensorboard":
+            import yaml
+
+            from unifit.tensorboard_view import serve
+
+            options = yaml.safe_load(args.storage_options) or {}
+            if extra or not isinstance(options, dict):
+                raise ConfigError(f"unifit tensorboard: unexpected arguments {extra or args.storage_options!r}; "
+                                  "usage: unifit tensorboard URL [--port N] [--storage-options '{...}']")
+            serve(args.url, host=args.host, port=args.port, refresh_s=args.refresh_s, storage_options=options)
             return 0
         if args.command == "launch":
             fit_args = ["-c", args.config, *extra] + (["--ckpt-path", args.ckpt_path] if args.ckpt_path else [])

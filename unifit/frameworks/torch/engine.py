@@ -41,24 +41,30 @@ class TorchEngine(Engine):
         self.optimizer, self.scheduler, self.interval = _parse_optimizers(_configure_optimizers(self.module))
 
         pin = self.device.type == "cuda"
-        train_ds = tdata.as_dataset(self.data.train_dataset(), "train_dataset()")
+        train, presharded = self._rank_data(self.data.train_dataset())
+        train_ds = tdata.as_dataset(train, "train_dataset()")
+        shards = (1, 0) if presharded else (strategy.world_size, strategy.rank)
         self.train_loader = tdata.train_loader(
-            train_ds, batch_size=cfg.batch_size, world_size=strategy.world_size, rank=strategy.rank,
-            seed=cfg.seed, drop_last=cfg.drop_last, num_workers=cfg.num_workers, pin_memory=pin)
+            train_ds, batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
+            seed=cfg.seed, drop_last=cfg.drop_last, num_workers=cfg.num_workers,
+            pin_memory=pin)
         self._batches = len(self.train_loader)
         if cfg.limit_train_batches:
             self._batches = min(self._batches, cfg.limit_train_batches)
+        if presharded:  # shards sharded by file differ in size: every rank takes the smallest's steps
+            self._batches = -int(strategy.all_reduce_max(np.array([-self._batches]))[0])
         if self._batches == 0:
             raise ConfigError(
                 f"trainer.batch_size: {cfg.batch_size} with drop_last leaves no training batch on rank "
                 f"{strategy.rank} ({len(train_ds)} samples over {strategy.world_size} ranks); lower batch_size")
-        val = self.data.val_dataset()
         has_val_step = type(self.module).validation_step is not _base_validation_step()
+        val, val_presharded = self._rank_data(self.data.val_dataset() if has_val_step else None)
         self.val_loader = None
-        if val is not None and has_val_step and cfg.limit_val_batches != 0:
+        if val is not None and cfg.limit_val_batches != 0:
+            shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
             self.val_loader = tdata.val_loader(
                 tdata.as_dataset(val, "val_dataset()"), batch_size=cfg.batch_size,
-                world_size=strategy.world_size, rank=strategy.rank, num_workers=cfg.num_workers, pin_memory=pin)
+                world_size=shards[0], rank=shards[1], num_workers=cfg.num_workers, pin_memory=pin)
 
         self.accumulate = cfg.accumulate_grad_batches
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
