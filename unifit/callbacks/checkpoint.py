@@ -23,15 +23,15 @@ class ModelCheckpoint(Callback):
         if state.epoch % cfg.every_n_epochs and not last:
             return
         improved = self._improved(ctx)
-        path = ctx.save_checkpoint()
-        if not ctx.is_global_zero:
-            return
-        store = ctx.extra["store"]
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        if improved:
-            store.set_best(name, cfg.monitor, self.best_value)
         protected = {ctx.extra["resumed_from"]} if ctx.extra.get("resumed_from") else set()
-        store.prune(cfg.keep_last_n, protected)
+        best_value = self.best_value
+
+        def after_commit(store: Any, name: str) -> None:  # rank 0, once the checkpoint is committed
+            if improved:
+                store.set_best(name, cfg.monitor, best_value)
+            store.prune(cfg.keep_last_n, protected)
+
+        ctx.save_checkpoint(after_commit=after_commit)
 
     def _improved(self, ctx: Any) -> bool:
         monitor = self.config.monitor

@@ -93,8 +93,8 @@ class Engine(ABC):
     def seed(self, seed: int) -> None: ...
 
     @abstractmethod
-    def write_checkpoint(self, fs: Any, directory: str, payload: dict[str, Any]) -> None:
-        """Write `payload` into `directory` on file system `fs`."""
+    def checkpoint_files(self, payload: dict[str, Any]) -> dict[str, bytes]:
+        """`payload` serialized now (a snapshot), as file name -> bytes; written later, maybe in the background."""
 
     @abstractmethod
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]: ...

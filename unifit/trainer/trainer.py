@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from unifit._imports import load_object
 from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError, UnifitError
-from unifit.storage import check_writable
+from unifit.storage import check_writable, is_remote
 from unifit.strategies import environment, registry
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
+from unifit.trainer.committer import Committer
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
 from unifit.trainer.context import FitContext
 from unifit.trainer.events import Dispatcher, Event
@@ -65,15 +66,18 @@ class Trainer:
             engine.setup()
             state.steps_per_epoch = -(-engine.batches_per_epoch // cfg.accumulate_grad_batches)
             callbacks = self._callbacks(strategy.rank)
-            self._running = {"engine": engine, "strategy": strategy, "store": store, "callbacks": callbacks}
+            self._running = {"engine": engine, "strategy": strategy, "store": store, "callbacks": callbacks,
+                             "committer": Committer(background=is_remote(cfg.checkpoint_dir))}
             ctx = FitContext(
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
                 batches_per_epoch=engine.batches_per_epoch, is_finite=engine.is_finite,
                 current_lrs=engine.current_lrs, all_reduce_max=strategy.all_reduce_max,
                 save_checkpoint=self.save_checkpoint,
                 extra={"resolved_config": self._resolved_config(module), "store": store})
+            self._running["extra"] = ctx.extra
             if ckpt_path:
-                ctx.extra["resumed_from"] = self._resume(ckpt_path)
+                ctx.extra["last_checkpoint"] = self._resume(ckpt_path)
+                ctx.extra["resumed_from"] = ctx.extra["last_checkpoint"].rstrip("/").rsplit("/", 1)[-1]
                 state = self.state
                 ctx.state = state
             else:
@@ -82,8 +86,10 @@ class Trainer:
             dispatch(Event.SETUP)
             dispatch(Event.FIT_START)
             self._loop(engine, strategy, dispatch, ctx)
+            self._running["committer"].wait()  # the last checkpoint is committed before fit ends
             dispatch(Event.FIT_END)
         except BaseException as error:
+            self._finish_commits_after(error)
             if dispatch is not None:
                 dispatch(Event.EXCEPTION, error)
             raise
@@ -97,18 +103,22 @@ class Trainer:
                 strategy.teardown()
         return state
 
-    def save_checkpoint(self, name: str | None = None) -> str | None:
+    def save_checkpoint(self, name: str | None = None,
+                        after_commit: Callable[[CheckpointStore, str], None] | None = None) -> str | None:
         """Save a checkpoint now. Every rank must call it (rank 0 writes; a call on one rank
-        only fails after trainer.collective_timeout_s instead of hanging). Returns the path on rank 0."""
+        only fails after trainer.collective_timeout_s instead of hanging). The state is captured
+        at once; on a remote store it is committed in the background, then `after_commit(store,
+        name)` runs (on rank 0). Returns the checkpoint's path on rank 0."""
         if self._running is None:
             raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
         engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
         strategy.barrier("save_checkpoint")
         rngs = strategy.all_gather_object(engine.rng_state())
-        path = None
+        state = self.state
+        name = name or checkpoint_name(state.epoch, state.global_step)
+        path = store.path(name)
+        self._running["extra"]["last_checkpoint"] = path  # the same on every rank
         if strategy.is_global_zero:
-            state = self.state
-            name = name or checkpoint_name(state.epoch, state.global_step)
             payload = {
                 "format": "unifit/1",
                 "engine": engine.state_dict(),
@@ -118,9 +128,16 @@ class Trainer:
                 "callbacks": {type(cb).__name__: cb.state_dict() for cb in self._running["callbacks"]},
             }
             meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
-            path = store.save(name, lambda fs, d: engine.write_checkpoint(fs, d, payload), meta)
-        strategy.barrier("checkpoint_committed")
-        return path
+            files = engine.checkpoint_files(payload)
+
+            def commit(name: str = name) -> None:
+                store.save(name, lambda fs, d: [fs.pipe_file(f"{d}/{f}", data) for f, data in files.items()], meta)
+                if after_commit is not None:
+                    after_commit(store, name)
+
+            self._running["committer"].submit(commit)
+        strategy.barrier("checkpoint_saved")
+        return path if strategy.is_global_zero else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
@@ -174,7 +191,8 @@ class Trainer:
         return [*default_callbacks(self.config), *user, *self.extra_callbacks]
 
     def _resume(self, spec: str) -> str:
-        """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast)."""
+        """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast).
+        Returns the checkpoint's path."""
         engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
 
         def read() -> tuple[dict[str, Any], str]:
@@ -195,7 +213,17 @@ class Trainer:
                         payload["world_size"], strategy.world_size)
             engine.seed(self.config.seed + strategy.rank + 1000 * self.state.epoch)
         log.info("resumed from %s (epoch %d, step %d)", path, self.state.epoch, self.state.global_step)
-        return path.rstrip("/").rsplit("/", 1)[-1]
+        return path
+
+    def _finish_commits_after(self, error: BaseException) -> None:
+        """On failure, still finish a pending checkpoint commit (the last good state), reporting
+        its own error instead of hiding the one that stopped training."""
+        if self._running is None:
+            return
+        try:
+            self._running["committer"].wait()
+        except Exception as exc:
+            log.warning("the last checkpoint could not be committed either: %s: %s", type(exc).__name__, exc)
 
     def _check_storage(self) -> None:
         cfg = self.config

@@ -215,10 +215,10 @@ class TorchEngine(Engine):
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
-    def write_checkpoint(self, fs: Any, directory: str, payload: dict[str, Any]) -> None:
+    def checkpoint_files(self, payload: dict[str, Any]) -> dict[str, bytes]:
         buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        fs.pipe_file(f"{directory}/state.pt", buffer.getvalue())  # one PUT on object stores
+        torch.save(payload, buffer)  # copies every tensor: later training steps cannot change it
+        return {"state.pt": buffer.getvalue()}
 
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
         data = fs.cat_file(f"{directory}/state.pt")
