@@ -12,8 +12,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
 
-# processes per strategy for the conformance suite; later strategies add their entry here
-STRATEGY_PROCS = {"single": 1, "ddp": 2}
+# processes per strategy for the conformance suite, and the options it runs with there;
+# later strategies add their entry here. smddp-like runs 4 ranks as 2 "nodes" x 2, so its
+# hierarchical allreduce is really exercised.
+STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4}
+STRATEGY_OPTIONS = {"smddp-like": ["--trainer.strategy_options", "{local_world_size: 2}"]}
 
 
 def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -41,7 +44,8 @@ def probe_args(strategy: str, root: Path | str, *overrides: str, ckpt: str | Non
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
     args = ["launch", "--nproc-per-node", str(STRATEGY_PROCS[strategy]), "-c", str(PROBE_YAML),
             "--trainer.strategy", strategy, "--trainer.root_dir", str(root),
-            "--trainer.callbacks", json.dumps([report, *(callbacks or [])]), *overrides]
+            "--trainer.callbacks", json.dumps([report, *(callbacks or [])]),
+            *STRATEGY_OPTIONS.get(strategy, []), *overrides]
     return args + (["--ckpt-path", ckpt] if ckpt else [])
 
 

@@ -49,10 +49,7 @@ class DDPStrategy(TorchDistributedStrategy):
                 "%s: no launcher environment found (RANK/WORLD_SIZE unset), running a world of size 1; "
                 "start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>", self.name)
             return
-        device = torch_device(self.accelerator, self.local_rank)
-        backend = self.options.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = self._backend_name(torch_device(self.accelerator, self.local_rank))
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=backend,
@@ -61,6 +58,11 @@ class DDPStrategy(TorchDistributedStrategy):
             )
             self._owns_group = True
         self._backend = dist.get_backend()
+
+    def _backend_name(self, device: Any) -> str:
+        if self.options.backend != "auto":
+            return self.options.backend
+        return "nccl" if device.type == "cuda" else "gloo"
 
     def _init_kwargs(self) -> dict[str, Any]:
         """Rendezvous arguments; torchrun's env:// is the default."""

@@ -40,6 +40,9 @@ register(StrategyEntry(
 register(StrategyEntry(
     "ddp", "unifit.strategies.ddp:DDPStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
     frozenset({"torch"}), "PyTorch DistributedDataParallel, launched by torchrun"))
+register(StrategyEntry(
+    "smddp-like", "unifit.strategies.smddp:SMDDPLikeStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
+    frozenset({"torch"}), "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)"))
 
 
 def names() -> list[str]:
