@@ -18,6 +18,7 @@ from unifit.storage import filesystem
 
 def write_shards(url: str, shards: int) -> list[str]:
     fs, root = filesystem(url)
+    fs.makedirs(root, exist_ok=True)
     data = DigitsData()
     written = []
     for split, (x, y) in (("train", data.train_dataset()), ("val", data.val_dataset())):

@@ -7,11 +7,11 @@ from unifit.callbacks.checkpoint import ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
 from unifit.callbacks.nan_guard import NanGuard
 from unifit.callbacks.progress import EpochSummary, ProgressBar
-from unifit.callbacks.run_directory import RunDirectory
+from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.tensorboard import TensorBoardLogger
 from unifit.trainer.config import TrainerConfig
 
-__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "EpochSummary", "NanGuard", "ProgressBar", "RunDirectory",
+__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "EpochSummary", "ModelExport", "NanGuard", "ProgressBar", "RunDirectory",
            "TensorBoardLogger", "default_callbacks"]
 
 
@@ -31,6 +31,8 @@ def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
             cfg.tensorboard_dir, tb.log_every_n_steps, sync_to=cfg.tensorboard_sync_to,
             sync_every_s=tb.sync_every_s, rotate_mb=tb.rotate_mb, storage_options=cfg.storage_options))
     callbacks.append(RunDirectory(cfg.root_dir, cfg.storage_options))
+    if cfg.export_dir:
+        callbacks.append(ModelExport(cfg.export_dir, cfg.storage_options))
     callbacks.append(EpochSummary())
     if ProgressBar.wanted(cfg.progress_bar):
         callbacks.append(ProgressBar())

@@ -37,3 +37,17 @@ class RunDirectory(Callback):
 
     def _write(self) -> None:
         self.fs.pipe_file(f"{self.root}/metrics.jsonl", "".join(line + "\n" for line in self.lines).encode())
+
+
+class ModelExport(Callback):
+    """Rank 0 writes the final model to `export_dir` (e.g. SageMaker's model dir) when fit ends."""
+
+    rank_zero_only = True
+
+    def __init__(self, export_dir: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.fs, self.root = filesystem(export_dir, storage_options)
+
+    def on_fit_end(self, ctx: Any) -> None:
+        self.fs.makedirs(self.root, exist_ok=True)
+        for name, data in ctx.model_files().items():
+            self.fs.pipe_file(f"{self.root}/{name}", data)

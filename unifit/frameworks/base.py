@@ -98,3 +98,7 @@ class Engine(ABC):
 
     @abstractmethod
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def model_files(self) -> dict[str, bytes]:
+        """The trained model for serving (weights only), as file name -> bytes."""

@@ -65,8 +65,11 @@ class DDPStrategy(TorchDistributedStrategy):
         return "nccl" if device.type == "cuda" else "gloo"
 
     def _init_kwargs(self) -> dict[str, Any]:
-        """Rendezvous arguments; torchrun's env:// is the default."""
-        return {}
+        """Rendezvous: torchrun's env://, or the rank facts another launcher (mpirun) gave."""
+        if self.env.source == "torchrun":
+            return {}
+        return {"init_method": f"tcp://{self.env.master_addr}:{self.env.master_port}",
+                "rank": self.rank, "world_size": self.world_size}
 
     def teardown(self) -> None:
         import torch.distributed as dist

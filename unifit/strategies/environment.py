@@ -56,8 +56,31 @@ def from_torchrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
     )
 
 
-# Readers tried in order; later issues (Horovod, TF_CONFIG, SageMaker) add theirs here.
-READERS = (from_torchrun,)
+def from_open_mpi(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """mpirun (Open MPI), as SageMaker's mpi and smdistributed launchers start processes.
+
+    The rendezvous for torch.distributed is MASTER_ADDR/MASTER_PORT when set, else the first
+    SageMaker host (SM_HOSTS) or 127.0.0.1, on port 29500.
+    """
+    env = os.environ if env is None else env
+    if "OMPI_COMM_WORLD_RANK" not in env or "OMPI_COMM_WORLD_SIZE" not in env:
+        return None
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", 1)
+    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", 0)
+    master = env.get("MASTER_ADDR")
+    if not master and env.get("SM_HOSTS"):
+        from unifit.sagemaker import parse_hosts
+
+        master = parse_hosts(env["SM_HOSTS"])[0]
+    return ClusterEnvironment(
+        rank=rank, world_size=world, local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+        local_world_size=local_world, node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", rank // max(1, local_world)),
+        master_addr=master or "127.0.0.1", master_port=_int(env, "MASTER_PORT", 29500), source="open-mpi")
+
+
+# Readers tried in order; later issues (Horovod, TF_CONFIG) add theirs here.
+READERS = (from_torchrun, from_open_mpi)
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnvironment:

@@ -147,6 +147,9 @@ class SMDDPLikeStrategy(DDPStrategy):
                  ("hierarchical allreduce" if self._hook else "flat allreduce (nothing to gain from a hierarchy)"),
                  self.topology.nodes, self.topology.local_size)
 
+    def _init_kwargs(self) -> dict[str, Any]:
+        return {} if self.use_smddp else super()._init_kwargs()  # smddp reads the MPI environment itself
+
     def _backend_name(self, device: Any) -> str:
         return "smddp" if self.use_smddp else super()._backend_name(device)
 

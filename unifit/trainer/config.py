@@ -84,6 +84,7 @@ class TrainerConfig(_Strict):
     limit_val_batches: NonNegativeInt | None = Field(None, description="Use at most this many validation batches (0 turns validation off).")
     validate_every_n_epochs: PositiveInt = Field(1, description="Run validation after every N-th epoch (and the last).")
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (only when attached to a terminal).")
+    export_dir: str | None = Field(None, description="Where rank 0 writes the final model at the end of training (model.pt for PyTorch); SageMaker's SM_MODEL_DIR by default there.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for every URL (e.g. {endpoint_url: ..., profile: ...}); secrets are never saved or printed. Default: the standard AWS environment and config files.")
     collective_timeout_s: PositiveFloat = Field(300.0, description="A collective or barrier that waits longer fails every rank instead of hanging.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="See CheckpointConfig.")

@@ -22,6 +22,7 @@ class FitContext:
     current_lrs: Callable[[], list[float]]
     all_reduce_max: Callable[[Any], Any]
     save_checkpoint: Callable[..., str | None]
+    model_files: Callable[[], dict[str, bytes]]
     extra: dict[str, Any] = field(default_factory=dict)  # resumed_from, etc.
 
     @property

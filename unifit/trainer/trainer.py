@@ -72,7 +72,7 @@ class Trainer:
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
                 batches_per_epoch=engine.batches_per_epoch, is_finite=engine.is_finite,
                 current_lrs=engine.current_lrs, all_reduce_max=strategy.all_reduce_max,
-                save_checkpoint=self.save_checkpoint,
+                save_checkpoint=self.save_checkpoint, model_files=engine.model_files,
                 extra={"resolved_config": self._resolved_config(module), "store": store})
             self._running["extra"] = ctx.extra
             if ckpt_path:

@@ -220,6 +220,11 @@ class TorchEngine(Engine):
         torch.save(payload, buffer)  # copies every tensor: later training steps cannot change it
         return {"state.pt": buffer.getvalue()}
 
+    def model_files(self) -> dict[str, bytes]:
+        buffer = io.BytesIO()
+        torch.save(self.module.state_dict(), buffer)
+        return {"model.pt": buffer.getvalue()}
+
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
         data = fs.cat_file(f"{directory}/state.pt")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

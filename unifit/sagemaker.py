@@ -1,0 +1,146 @@
+"""SageMaker integration: read SageMaker's environment and run an experiment the way it expects.
+
+An estimator runs `entry_point="train.py"` holding `from unifit.sagemaker import main; main()`,
+with hyperparameters such as {"config": "exp.yaml", "trainer.max_epochs": 10}. SageMaker
+passes them as `--config exp.yaml --trainer.max_epochs 10`, which are unifit's own overrides.
+What SageMaker provides is mapped onto the config:
+
+- SM_HOSTS / SM_CURRENT_HOST / SM_NUM_GPUS: hosts, node rank and processes per host for the
+  launcher (master: the first host), when SageMaker itself started one process per host;
+- a launcher SageMaker already ran (torch_distributed -> torchrun, mpi / smdistributed ->
+  mpirun) is detected from its variables, and then each process trains directly;
+- SM_CHANNEL_<NAME>: replaces `data.init_args.<name>` when the data section has that key
+  (a glob's file pattern is kept: train-*.npz -> <channel dir>/train-*.npz);
+- SM_MODEL_DIR: trainer.export_dir (the final model, uploaded by SageMaker as model.tar.gz);
+- SM_OUTPUT_DATA_DIR: base of relative root_dir, checkpoint.dir and tensorboard.log_dir
+  (uploaded by SageMaker as output.tar.gz).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from unifit.errors import ConfigError, UnifitError
+
+
+def parse_hosts(raw: str) -> list[str]:
+    try:
+        hosts = json.loads(raw)
+    except json.JSONDecodeError:
+        hosts = None
+    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ConfigError(f"SM_HOSTS: received {raw!r}; expected a JSON list of host names like [\"algo-1\", \"algo-2\"]")
+    return hosts
+
+
+@dataclass(frozen=True)
+class SageMakerEnvironment:
+    hosts: list[str]
+    current_host: str
+    num_gpus: int = 0
+    num_cpus: int = 1
+    model_dir: str | None = None
+    output_data_dir: str | None = None
+    channels: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def detect(cls, env: Mapping[str, str] | None = None) -> "SageMakerEnvironment | None":
+        env = os.environ if env is None else env
+        if "SM_HOSTS" not in env:
+            return None
+        hosts = parse_hosts(env["SM_HOSTS"])
+        current = env.get("SM_CURRENT_HOST", "")
+        if current not in hosts:
+            raise ConfigError(f"SM_CURRENT_HOST: received {current!r}, which is not in SM_HOSTS {hosts}")
+        channels = {k[len("SM_CHANNEL_"):].lower(): v for k, v in env.items() if k.startswith("SM_CHANNEL_")}
+        return cls(hosts=hosts, current_host=current, num_gpus=int(env.get("SM_NUM_GPUS") or 0),
+                   num_cpus=int(env.get("SM_NUM_CPUS") or 1), model_dir=env.get("SM_MODEL_DIR"),
+                   output_data_dir=env.get("SM_OUTPUT_DATA_DIR"), channels=channels)
+
+    @property
+    def node_rank(self) -> int:
+        return self.hosts.index(self.current_host)
+
+    def overrides(self, config: dict[str, Any]) -> dict[str, str]:
+        """Dotted overrides that map SageMaker's locations onto the experiment `config`."""
+        out: dict[str, str] = {}
+        data_args = ((config.get("data") or {}).get("init_args") or {})
+        for name, path in sorted(self.channels.items()):
+            if name in data_args:
+                out[f"data.init_args.{name}"] = json.dumps(_in_channel(data_args[name], path))
+        trainer = config.get("trainer") or {}
+        if self.model_dir and not trainer.get("export_dir"):
+            out["trainer.export_dir"] = self.model_dir
+        locations = {"trainer.root_dir": trainer.get("root_dir", "runs/default"),
+                     "trainer.checkpoint.dir": (trainer.get("checkpoint") or {}).get("dir"),
+                     "trainer.tensorboard.log_dir": (trainer.get("tensorboard") or {}).get("log_dir")}
+        for key, path in locations.items():
+            if self.output_data_dir and path and "://" not in path and not os.path.isabs(path):
+                out[key] = posixpath.join(self.output_data_dir, path)
+        return out
+
+
+def _in_channel(original: Any, channel_dir: str) -> Any:
+    """Point a data location at the channel directory, keeping a glob's file pattern."""
+    if isinstance(original, str) and any(c in original for c in "*?["):
+        return posixpath.join(channel_dir, posixpath.basename(original))
+    return channel_dir
+
+
+def under_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """True when a launcher (torchrun, mpirun, TF_CONFIG workers) already started this process."""
+    from unifit.strategies import environment
+
+    return environment.detect(env).source != "none"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The SageMaker entry point: fit directly under a launcher, else launch one per host."""
+    from unifit.trainer import cli
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cli._log_to_stderr()
+    try:
+        return _main(argv)
+    except UnifitError as exc:
+        print(f"unifit: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    from unifit.strategies import registry
+    from unifit.strategies.launchers.base import LaunchSpec
+    from unifit.trainer import cli
+    from unifit.trainer.loading import apply_overrides, load_yaml
+
+    parser = argparse.ArgumentParser(prog="unifit-sagemaker")
+    parser.add_argument("--config", "-c", required=True)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None)
+    parser.add_argument("--master-port", "--master_port", type=int, default=None)
+    args, extra = parser.parse_known_args(argv)
+    sm = SageMakerEnvironment.detect()
+    if sm is None:
+        raise ConfigError("unifit.sagemaker: SM_HOSTS is not set; this entry point runs inside SageMaker "
+                          "(or its local training toolkit); elsewhere use `unifit fit` / `unifit launch`")
+    overrides = cli.parse_overrides(extra)
+    overrides.update(sm.overrides(apply_overrides(load_yaml(args.config), overrides)))
+    fit_args = ["-c", args.config]
+    for key, value in overrides.items():
+        fit_args += [f"--{key}", value]
+    if under_launcher():
+        return cli.main(["fit", *fit_args])
+    experiment = cli.load_experiment(args.config, overrides)
+    spec = LaunchSpec(
+        nproc_per_node=args.nproc_per_node or max(1, sm.num_gpus), nnodes=len(sm.hosts), node_rank=sm.node_rank,
+        master_addr=sm.hosts[0], master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
+        fit_args=fit_args)
+    if spec.nnodes == 1 and spec.nproc_per_node == 1:
+        return cli.main(["fit", *fit_args])
+    return registry.launcher(experiment.trainer.strategy).launch(spec)
