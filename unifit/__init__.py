@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Trainer": "unifit.trainer.trainer",
     "TrainModule": "unifit.frameworks.torch.module",
+    "KerasModule": "unifit.frameworks.keras.module",
     "Callback": "unifit.callbacks.base",
     "TrainerConfig": "unifit.trainer.config",
     "ExperimentConfig": "unifit.trainer.config",

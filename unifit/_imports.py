@@ -46,6 +46,11 @@ def load_object(path: str, *, field: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if root in _EXTRA_FOR_PACKAGE and not module_name.startswith(root):
+            raise MissingExtraError(
+                f"{field}: '{path}' needs the Python package '{root}', which is not installed; "
+                f"fix: pip install 'unifit[{_EXTRA_FOR_PACKAGE[root]}]'") from exc
         if exc.name and module_name.startswith(exc.name):
             raise ConfigError(
                 f"{field}: received '{path}', but module '{exc.name}' was not found; "

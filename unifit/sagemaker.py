@@ -140,7 +140,7 @@ def _main(argv: list[str]) -> int:
     spec = LaunchSpec(
         nproc_per_node=args.nproc_per_node or max(1, sm.num_gpus), nnodes=len(sm.hosts), node_rank=sm.node_rank,
         master_addr=sm.hosts[0], master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
-        fit_args=fit_args)
+        fit_args=fit_args, hosts=sm.hosts)
     if spec.nnodes == 1 and spec.nproc_per_node == 1:
         return cli.main(["fit", *fit_args])
     return registry.launcher(experiment.trainer.strategy).launch(spec)

@@ -93,8 +93,9 @@ class Engine(ABC):
     def seed(self, seed: int) -> None: ...
 
     @abstractmethod
-    def checkpoint_files(self, payload: dict[str, Any]) -> dict[str, bytes]:
-        """`payload` serialized now (a snapshot), as file name -> bytes; written later, maybe in the background."""
+    def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
+        """`payload` serialized now (a snapshot), as file name -> bytes, written later (maybe in the
+        background). Called on every rank; only the writer's (rank 0's) files are kept."""
 
     @abstractmethod
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]: ...

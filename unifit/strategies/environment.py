@@ -79,8 +79,35 @@ def from_open_mpi(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
         master_addr=master or "127.0.0.1", master_port=_int(env, "MASTER_PORT", 29500), source="open-mpi")
 
 
-# Readers tried in order; later issues (Horovod, TF_CONFIG) add theirs here.
-READERS = (from_torchrun, from_open_mpi)
+def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """TF_CONFIG (MultiWorkerMirroredStrategy): rank = this task's place, chief first, then workers."""
+    import json
+
+    from unifit.errors import ConfigError
+
+    env = os.environ if env is None else env
+    raw = env.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+        cluster, task = config["cluster"], config["task"]
+        tasks = [("chief", i) for i in range(len(cluster.get("chief", [])))] + \
+                [("worker", i) for i in range(len(cluster.get("worker", [])))]
+        rank = tasks.index((task["type"], int(task["index"])))
+        addresses = [cluster[kind][i] for kind, i in tasks]
+        host, _, port = addresses[0].rpartition(":")
+        int(port)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(
+            f"TF_CONFIG: received {raw!r}; expected {{\"cluster\": {{\"worker\": [\"host:port\", ...]}}, "
+            "\"task\": {\"type\": \"worker\", \"index\": N}} with this task listed in the cluster") from None
+    return ClusterEnvironment(rank=rank, world_size=len(tasks), local_rank=0, local_world_size=1, node_rank=rank,
+                              master_addr=host, master_port=int(port), source="tf_config")
+
+
+# Readers tried in order; later issues (Horovod) add theirs here.
+READERS = (from_torchrun, from_open_mpi, from_tf_config)
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnvironment:

@@ -36,13 +36,21 @@ def register(entry: StrategyEntry) -> None:
 
 register(StrategyEntry(
     "single", "unifit.strategies.single:SingleStrategy", "unifit.strategies.launchers.base:SingleProcessLauncher",
-    frozenset({"torch"}), "one process, one device"))
+    frozenset({"torch", "tensorflow"}), "one process, one device"))
 register(StrategyEntry(
     "ddp", "unifit.strategies.ddp:DDPStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
     frozenset({"torch"}), "PyTorch DistributedDataParallel, launched by torchrun"))
 register(StrategyEntry(
     "smddp-like", "unifit.strategies.smddp:SMDDPLikeStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
     frozenset({"torch"}), "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)"))
+
+
+register(StrategyEntry(
+    "mirrored", "unifit.strategies.tf_distribute:MirroredStrategy", "unifit.strategies.launchers.base:SingleProcessLauncher",
+    frozenset({"tensorflow"}), "TensorFlow MirroredStrategy: one process, all local devices"))
+register(StrategyEntry(
+    "mwms", "unifit.strategies.tf_distribute:MWMSStrategy", "unifit.strategies.launchers.tf_config:TFConfigLauncher",
+    frozenset({"tensorflow"}), "TensorFlow MultiWorkerMirroredStrategy: one process per worker (TF_CONFIG)"))
 
 
 def names() -> list[str]:
@@ -69,7 +77,7 @@ def create(name: str, env: "ClusterEnvironment", **kwargs: object) -> "Strategy"
 
 
 def launcher(name: str) -> "Launcher":
-    return load_object(entry(name).launcher, field="trainer.strategy")()
+    return load_object(entry(name).launcher, field="trainer.strategy")(name)
 
 
 def check_framework(name: str, framework: str, module_name: str) -> None:

@@ -10,6 +10,7 @@ User errors print one line and exit 2 (1 for failures during training); UNIFIT_D
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-addr", default=None)
     launch.add_argument("--master-port", type=int, default=None)
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    launch.add_argument("--hosts", default=None, help="comma-separated hosts, for mwms workers on several hosts")
     launch.add_argument("--ckpt-path", default=None)
     board = sub.add_parser("tensorboard", help="serve TensorBoard for logs on S3 or any fsspec URL (kept mirrored locally)")
     board.add_argument("url", help="e.g. s3://bucket/run/tensorboard")
@@ -125,7 +127,10 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
     experiment = load_experiment(args.config, overrides)
     spec = LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port,
-                      rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args)
+                      rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args,
+                      hosts=args.hosts.split(",") if args.hosts else None)
+    if spec.hosts and spec.nnodes == 1:
+        spec = dataclasses.replace(spec, nnodes=len(spec.hosts))
     if spec.nproc_per_node < 1 or spec.nnodes < 1:
         raise ConfigError(f"--nproc-per-node {spec.nproc_per_node} --nnodes {spec.nnodes}: both must be >= 1")
     return registry.launcher(experiment.trainer.strategy).launch(spec)

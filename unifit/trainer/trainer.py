@@ -118,20 +118,20 @@ class Trainer:
         name = name or checkpoint_name(state.epoch, state.global_step)
         path = store.path(name)
         self._running["extra"]["last_checkpoint"] = path  # the same on every rank
+        payload = {
+            "format": "unifit/1",
+            "engine": engine.state_dict(),
+            "trainer": state.to_dict(),
+            "rng": rngs,
+            "world_size": strategy.world_size,
+            "callbacks": {type(cb).__name__: cb.state_dict() for cb in self._running["callbacks"]},
+        }
+        files = engine.checkpoint_files(payload, writer=strategy.is_global_zero)  # every rank takes part
         if strategy.is_global_zero:
-            payload = {
-                "format": "unifit/1",
-                "engine": engine.state_dict(),
-                "trainer": state.to_dict(),
-                "rng": rngs,
-                "world_size": strategy.world_size,
-                "callbacks": {type(cb).__name__: cb.state_dict() for cb in self._running["callbacks"]},
-            }
             meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
-            files = engine.checkpoint_files(payload)
 
             def commit(name: str = name) -> None:
-                store.save(name, lambda fs, d: [fs.pipe_file(f"{d}/{f}", data) for f, data in files.items()], meta)
+                store.save(name, lambda fs, d: _write_files(fs, d, files), meta)
                 if after_commit is not None:
                     after_commit(store, name)
 
@@ -241,3 +241,10 @@ class Trainer:
         cls = type(module)
         return resolved_yaml(ExperimentConfig(
             module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=self.config))
+
+
+def _write_files(fs: Any, directory: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        if "/" in name:
+            fs.makedirs(f"{directory}/{name.rsplit('/', 1)[0]}", exist_ok=True)
+        fs.pipe_file(f"{directory}/{name}", data)

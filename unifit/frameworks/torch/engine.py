@@ -215,7 +215,9 @@ class TorchEngine(Engine):
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
 
-    def checkpoint_files(self, payload: dict[str, Any]) -> dict[str, bytes]:
+    def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
+        if not writer:
+            return {}
         buffer = io.BytesIO()
         torch.save(payload, buffer)  # copies every tensor: later training steps cannot change it
         return {"state.pt": buffer.getvalue()}

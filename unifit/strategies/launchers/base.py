@@ -20,11 +20,15 @@ class LaunchSpec:
     master_addr: str | None = None
     master_port: int | None = None
     rdzv_endpoint: str | None = None
+    hosts: list[str] | None = None  # for launchers that address every host (TF_CONFIG workers)
     fit_args: list[str] = field(default_factory=list)  # passed to `unifit fit` in each process
 
 
 class Launcher(ABC):
     """Turns a LaunchSpec into one command line and runs it, returning its exit code."""
+
+    def __init__(self, strategy: str = "single") -> None:
+        self.strategy = strategy
 
     @abstractmethod
     def command(self, spec: LaunchSpec) -> list[str]:
@@ -40,12 +44,12 @@ def fit_command(spec: LaunchSpec) -> list[str]:
 
 
 class SingleProcessLauncher(Launcher):
-    """The 'single' strategy: exactly one process, no launcher in between."""
+    """Strategies that run in exactly one process (single, mirrored): no launcher in between."""
 
     def command(self, spec: LaunchSpec) -> list[str]:
         if spec.nproc_per_node != 1 or spec.nnodes != 1:
             raise ConfigError(
-                f"--nproc-per-node {spec.nproc_per_node} --nnodes {spec.nnodes}: strategy 'single' runs one process; "
-                "set trainer.strategy to a distributed strategy such as ddp"
+                f"--nproc-per-node {spec.nproc_per_node} --nnodes {spec.nnodes}: strategy '{self.strategy}' runs one "
+                "process (mirrored uses every local device from it); for several processes use ddp (PyTorch) or mwms (Keras)"
             )
         return [sys.executable, *fit_command(spec)]

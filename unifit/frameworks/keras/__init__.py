@@ -1,0 +1,1 @@
+"""TensorFlow/Keras support: KerasModule and the engine that runs it."""

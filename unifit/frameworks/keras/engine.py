@@ -1,0 +1,259 @@
+"""Runs a KerasModule: one compiled step under the strategy's tf.distribute.Strategy.
+
+Data: arrays are shuffled with seed + epoch (the same permutation everywhere), each worker takes
+its own slice (rank::world, trimmed to equal length so every worker runs the same number of
+steps, as MWMS needs), batches it with batch_size x local replicas, and TensorFlow's auto-shard
+is OFF (unifit already sharded) while experimental_distribute_dataset splits each batch among
+the local replicas. Validation shards are disjoint and not trimmed; metrics are sample-weighted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from unifit.errors import ConfigError  # noqa: E402
+from unifit.frameworks.base import Engine  # noqa: E402
+from unifit.frameworks.keras.lr import with_policy  # noqa: E402
+from unifit.trainer.lr_policy import LRPolicy  # noqa: E402
+
+_TF_PREFIX = "tf/"
+
+
+class KerasEngine(Engine):
+    def setup(self) -> None:
+        cfg, strategy = self.config, self.strategy
+        if cfg.accumulate_grad_batches != 1:
+            raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
+                              "is implemented for PyTorch modules only); raise batch_size instead")
+        self.dist = getattr(strategy, "tf_strategy", None) or tf.distribute.get_strategy()
+        self.replicas = self.dist.num_replicas_in_sync
+        self.local_replicas = max(1, len(self.dist.extended.worker_devices))
+        self.local_batch = cfg.batch_size * self.local_replicas
+
+        train, presharded = self._rank_data(self.data.train_dataset())
+        self.train_arrays = _arrays(train, "train_dataset()")
+        self.train_presharded = presharded
+        n = len(self.train_arrays[0])
+        self.per_worker = n if presharded else n // strategy.world_size
+        if presharded:
+            self.per_worker = -int(strategy.all_reduce_max(np.array([-n]))[0])
+        full, rest = divmod(self.per_worker, self.local_batch)
+        self._batches = full + (1 if rest and not cfg.drop_last else 0)
+        if cfg.limit_train_batches:
+            self._batches = min(self._batches, cfg.limit_train_batches)
+        if self._batches == 0:
+            raise ConfigError(f"trainer.batch_size: {cfg.batch_size} x {self.local_replicas} local replicas leaves no "
+                              f"training batch ({self.per_worker} samples per worker); lower batch_size")
+        val, val_presharded = self._rank_data(self.data.val_dataset())
+        self.val_arrays = _arrays(val, "val_dataset()") if val is not None and cfg.limit_val_batches != 0 else None
+        self.val_presharded = val_presharded
+
+        with self.dist.scope():
+            self.module.model = model = self.module.build_model()
+            optimizer = self.module.configure_optimizers()
+            self.policy = LRPolicy.from_config(cfg, self.replicas, self._batches)
+            self.optimizer, self.schedule = with_policy(optimizer, self.policy)
+            model.build(tuple([None, *self.train_arrays[0].shape[1:]]))
+            self.optimizer.build(model.trainable_variables)
+        self._steps = 0  # optimizer steps, counted here so no step reads a device variable
+        self._train_fn = tf.function(self._distributed_step(train=True))
+        self._val_fn = tf.function(self._distributed_step(train=False))
+
+    # ---- compiled steps -------------------------------------------------------------------
+    def _distributed_step(self, train: bool) -> Any:
+        module, optimizer, clip = self.module, self.optimizer, self.config.gradient_clip_val
+        prefix = "train/" if train else "val/"
+
+        def replica_step(x: Any, y: Any) -> dict[str, Any]:
+            if train:
+                with tf.GradientTape() as tape:
+                    per_example, y_pred = module.training_step(x, y)
+                    loss = tf.nn.compute_average_loss(per_example)
+                    if module.model.losses:
+                        loss += tf.nn.scale_regularization_loss(tf.add_n(module.model.losses))
+                variables = module.model.trainable_variables
+                grads = tape.gradient(loss, variables)
+                if clip is not None:
+                    grads, _ = tf.clip_by_global_norm(grads, clip)
+                optimizer.apply_gradients(zip(grads, variables))
+            else:
+                per_example, y_pred = module.validation_step(x, y)
+            sums = {f"{prefix}loss": tf.reduce_sum(tf.cast(per_example, tf.float32))}
+            for name, values in module.metrics(y, y_pred).items():
+                sums[f"{prefix}{name}"] = tf.reduce_sum(tf.cast(values, tf.float32))
+            sums["_count"] = tf.cast(tf.shape(per_example)[0], tf.float32)
+            return sums
+
+        def step(batch: Any) -> dict[str, Any]:
+            per_replica = self.dist.run(replica_step, args=batch)
+            local = {k: tf.add_n(self.dist.experimental_local_results(v)) for k, v in per_replica.items()}
+            count = tf.maximum(local.pop("_count"), 1.0)
+            return {k: v / count for k, v in local.items()}  # this worker's sample means
+
+        return step
+
+    # ---- data -------------------------------------------------------------------------------
+    def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, drop_remainder: bool) -> Any:
+        ds = tf.data.Dataset.from_tensor_slices(tuple(a[indices] for a in arrays[:2]))
+        ds = ds.batch(self.local_batch, drop_remainder=drop_remainder)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return self.dist.experimental_distribute_dataset(ds.with_options(options))
+
+    def _sizes(self, total: int) -> list[int]:
+        full, rest = divmod(total, self.local_batch)
+        return [self.local_batch] * full + ([rest] if rest else [])
+
+    def train_batches(self, epoch: int) -> Iterator[Any]:
+        n = len(self.train_arrays[0])
+        order = np.random.default_rng(self.config.seed + epoch).permutation(n)
+        mine = order if self.train_presharded else order[self.strategy.rank::self.strategy.world_size]
+        mine = mine[: self.per_worker]  # every worker the same number of samples (and steps)
+        sizes = self._sizes(self.per_worker)
+        for i, batch in enumerate(self._dataset(self.train_arrays, mine, self.config.drop_last)):
+            if i >= self._batches:
+                break
+            self.collector.batch_count = sizes[i]
+            yield batch
+
+    def train_step(self, batch: Any, batch_idx: int) -> Any:
+        means = self._train_fn(batch)
+        self._steps += 1
+        count = self.collector.batch_count
+        for name, value in means.items():
+            self.collector.add(name, value, count)
+        return means["train/loss"]
+
+    def val_batches(self) -> Iterator[Any]:
+        n = len(self.val_arrays[0])
+        mine = np.arange(n) if self.val_presharded else np.arange(self.strategy.rank, n, self.strategy.world_size)
+        sizes = self._sizes(len(mine))
+        limit = self.config.limit_val_batches
+        for i, batch in enumerate(self._dataset(self.val_arrays, mine, False)):
+            if limit is not None and i >= limit:
+                break
+            self.collector.batch_count = sizes[i]
+            yield batch
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        for name, value in self._val_fn(batch).items():
+            self.collector.add(name, value, self.collector.batch_count)
+
+    # ---- facts ------------------------------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._batches
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_arrays is not None
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self._steps
+
+    def end_of_epoch(self) -> None:
+        """Keras schedules are evaluated per step; nothing to do per epoch."""
+
+    def current_lrs(self) -> list[float]:
+        return [float(self.schedule(self._steps))]
+
+    def to_numpy(self, values: list[Any]) -> np.ndarray:
+        return np.asarray([float(v) for v in values], dtype=np.float64)
+
+    def is_finite(self, value: Any) -> bool:
+        return math.isfinite(float(value))
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        folder = tempfile.mkdtemp(prefix="unifit-tf-restore-")
+        try:
+            for name, data in state["tf_files"].items():
+                with open(os.path.join(folder, name), "wb") as f:
+                    f.write(data)
+            self._checkpoint().read(os.path.join(folder, "ckpt")).assert_consumed()
+            self._steps = int(state["optimizer_steps"])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _checkpoint(self) -> Any:
+        return tf.train.Checkpoint(model=self.module.model, optimizer=self.optimizer)
+
+    def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
+        """Every worker writes (TensorFlow requires all to take part); only the chief's files are kept."""
+        folder = tempfile.mkdtemp(prefix="unifit-tf-ckpt-")
+        try:
+            self._checkpoint().write(os.path.join(folder, "ckpt"))
+            if not writer:
+                return {}
+            files = {f"{_TF_PREFIX}{name}": open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # a non-chief's copy is removed at once
+        files["state.json"] = json.dumps(payload).encode()
+        return files
+
+    def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
+        payload = json.loads(fs.cat_file(f"{directory}/state.json"))
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{directory}/tf", detail=False)]
+        payload["engine"]["tf_files"] = {name: fs.cat_file(f"{directory}/tf/{name}") for name in names}
+        return payload
+
+    def model_files(self) -> dict[str, bytes]:
+        folder = tempfile.mkdtemp(prefix="unifit-tf-export-")
+        try:
+            path = os.path.join(folder, "model.weights.h5")
+            self.module.model.save_weights(path)
+            return {"model.weights.h5": open(path, "rb").read()}
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def rng_state(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=False)
+        return {"python": random.getstate(),
+                "numpy": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"]),
+                          "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
+                "tf": tf.random.get_global_generator().state.numpy().tolist()}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        random.setstate(_as_tuple(state["python"]))
+        n = state["numpy"]
+        np.random.set_state({"bit_generator": "MT19937", "state": {"key": np.asarray(n["key"], dtype=np.uint32),
+                             "pos": n["pos"]}, "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        tf.random.get_global_generator().reset(np.asarray(state["tf"], dtype=np.int64))
+
+    def seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        tf.random.set_seed(seed)
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
+    """(x, y) arrays; a finite, unbatched tf.data.Dataset of (x, y) is read into arrays once."""
+    if isinstance(data, tf.data.Dataset):
+        xs, ys = zip(*data.as_numpy_iterator())
+        data = (np.stack(xs), np.stack(ys))
+    if isinstance(data, (tuple, list)) and len(data) >= 2:
+        arrays = tuple(np.asarray(a) for a in data)
+        arrays = tuple(a.astype(np.float32) if a.dtype == np.float64 else a for a in arrays)
+        if len({len(a) for a in arrays}) != 1:
+            raise ConfigError(f"{what}: arrays have different lengths {[len(a) for a in arrays]}; give arrays of equal length")
+        return arrays
+    raise ConfigError(f"{what}: received {type(data).__name__}; return a tuple of arrays (x, y) or a tf.data.Dataset of (x, y)")

@@ -1,0 +1,54 @@
+"""KerasModule: the Keras twin of TrainModule.
+
+    TrainModule (PyTorch)                  KerasModule (TensorFlow/Keras)
+    __init__: build layers                 __init__: keep hyperparameters; build_model() builds
+                                           the keras.Model (unifit calls it inside strategy.scope())
+    training_step(batch) -> loss           loss(y, y_pred) -> per-example losses (or override
+                                           training_step(x, y) -> per-example losses)
+    self.log("val/acc", value)             metrics(y, y_pred) -> {"acc": per-example values}
+                                           (logged as train/acc and val/acc, sample-weighted)
+    configure_optimizers() -> optimizer    configure_optimizers() -> keras optimizer (base lr)
+    train_dataset()/val_dataset()          the same: arrays (x, y) or an unbatched tf.data.Dataset
+
+Steps run inside one compiled tf.function, so per-step values are returned, not logged with
+Python side effects; the engine averages them over replicas and workers by sample count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unifit.trainer.module import ModuleBase
+
+
+class KerasModule(ModuleBase):
+    framework = "tensorflow"
+    engine = "unifit.frameworks.keras.engine:KerasEngine"
+
+    def __init__(self) -> None:
+        self.model: Any = None
+
+    def build_model(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define build_model() returning a keras.Model")
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers() returning a keras optimizer")
+
+    def loss(self, y: Any, y_pred: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define loss(y, y_pred) returning per-example losses")
+
+    def metrics(self, y: Any, y_pred: Any) -> dict[str, Any]:
+        """Per-example metric values by name (logged as train/<name> and val/<name>)."""
+        return {}
+
+    def training_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """(per-example losses, predictions); override for a custom forward pass."""
+        y_pred = self.model(x, training=True)
+        return self.loss(y, y_pred), y_pred
+
+    def validation_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        y_pred = self.model(x, training=False)
+        return self.loss(y, y_pred), y_pred
+
+    def __call__(self, x: Any, training: bool = False) -> Any:
+        return self.model(x, training=training)

@@ -1,0 +1,84 @@
+"""Start MultiWorkerMirroredStrategy workers: one process each, with its own TF_CONFIG.
+
+One host: free ports on 127.0.0.1. Several hosts (`--hosts h1,h2 --node-rank R`, or SageMaker's
+SM_HOSTS): worker i of host h listens on h:(base port + i), and this node starts its own workers.
+A user-provided TF_CONFIG is respected by `unifit fit` itself; this launcher writes one only for
+the workers it starts. When one worker fails, the others are stopped, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class TFConfigLauncher(Launcher):
+    def cluster(self, spec: LaunchSpec) -> tuple[list[str], list[int]]:
+        """(all worker addresses, indices of the workers this node starts)."""
+        n = spec.nproc_per_node
+        if spec.hosts:
+            base = spec.master_port or 23456
+            workers = [f"{host}:{base + i}" for host in spec.hosts for i in range(n)]
+            return workers, list(range(spec.node_rank * n, (spec.node_rank + 1) * n))
+        return [f"127.0.0.1:{port}" for port in _free_ports(n)], list(range(n))
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        return [sys.executable, *fit_command(spec)]
+
+    def launch(self, spec: LaunchSpec) -> int:
+        workers, mine = self.cluster(spec)
+        procs = []
+        for index in mine:
+            tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+            env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+            procs.append(subprocess.Popen(self.command(spec), env=env))
+        return _wait_all(procs)
+
+
+def _wait_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> int:
+    """Wait for every worker; on the first failure stop the rest and return its exit code."""
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                _stop(procs, grace_s)
+                print(f"unifit: a worker exited with {failed[0]}; the other workers were stopped", file=sys.stderr)
+                return failed[0] if failed[0] > 0 else 1
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _stop(procs, grace_s)
+        return 130
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,147 @@
+"""TensorFlow's tf.distribute strategies (mirrored, mwms) behind unifit's Strategy core.
+
+The Keras engine builds the model inside `tf_strategy.scope()` and runs its compiled step with
+`tf_strategy.run`. unifit's own collectives (metric sums, barriers, object exchange) go through
+the same strategy's cross-replica ops, so no second communication library is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from abc import abstractmethod
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, PositiveInt
+
+from unifit.errors import ConfigError, DistributedError
+from unifit.strategies.base import Strategy
+
+
+class TFDistributeStrategy(Strategy):
+    tf_strategy: Any = None
+
+    def setup(self) -> None:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.tf_strategy = self._make()
+
+    @abstractmethod
+    def _make(self) -> Any:
+        """Create the tf.distribute.Strategy."""
+
+    # ---- collectives: only used across worker processes (mwms) ---------------------------
+    def _all_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        if self.world_size == 1:
+            return values
+        import tensorflow as tf
+
+        fns = self.__dict__.setdefault("_reduce_fns", {})
+        if op not in fns:
+            def replica_fn(x: Any) -> Any:
+                ctx = tf.distribute.get_replica_context()
+                if op == "SUM":
+                    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)
+                return tf.reduce_max(ctx.all_gather(x[tf.newaxis], axis=0), axis=0)
+
+            fns[op] = tf.function(lambda x: self.tf_strategy.run(replica_fn, args=(x,)))
+        local_replicas = max(1, len(self.tf_strategy.extended.worker_devices))
+        x = tf.constant(np.asarray(values, dtype=np.float64) / (local_replicas if op == "SUM" else 1))
+        try:
+            result = fns[op](x)
+        except tf.errors.OpError as exc:
+            raise DistributedError(f"{self.name}: a collective across workers failed within "
+                                   f"{self.collective_timeout_s:g}s ({type(exc).__name__}); a worker is gone or "
+                                   "unreachable: check the worker addresses (TF_CONFIG)") from None
+        return self.tf_strategy.experimental_local_results(result)[0].numpy()
+
+    def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
+        return self._all_reduce(values, "SUM")
+
+    def all_reduce_max(self, values: np.ndarray) -> np.ndarray:
+        return self._all_reduce(values, "MAX")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Objects travel as bytes in a [world, length] buffer that an all-reduce sum fills in."""
+        if self.world_size == 1:
+            return [obj]
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = self.all_reduce_sum(self._slot(np.array([len(data)], dtype=np.float64), 1))
+        width = int(lengths.max())
+        rows = self.all_reduce_sum(self._slot(np.pad(data, (0, width - len(data))).astype(np.float64), width))
+        return [pickle.loads(rows[r, : int(lengths[r, 0])].astype(np.uint8).tobytes()) for r in range(self.world_size)]
+
+    def _slot(self, row: np.ndarray, width: int) -> np.ndarray:
+        buffer = np.zeros((self.world_size, width), dtype=np.float64)
+        buffer[self.rank] = row
+        return buffer
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.all_gather_object(obj if self.rank == src else None)[src]
+
+    def barrier(self, name: str) -> None:
+        try:
+            self.all_reduce_sum(np.zeros(1))
+        except DistributedError as exc:
+            raise DistributedError(f"barrier '{name}' on rank {self.rank}: {exc}") from None
+
+
+class MirroredOptions(BaseModel):
+    """trainer.strategy_options for mirrored."""
+
+    model_config = ConfigDict(extra="forbid")
+    devices: PositiveInt | None = None  # GPUs to use (default all), or logical CPU devices to split the CPU into
+
+
+class MirroredStrategy(TFDistributeStrategy):
+    """tf.distribute.MirroredStrategy: one process, every local device."""
+
+    name = "mirrored"
+    Options = MirroredOptions
+
+    def _make(self) -> Any:
+        import tensorflow as tf
+
+        wanted = self.options.devices
+        gpus = tf.config.list_physical_devices("GPU") if self.accelerator != "cpu" else []
+        if self.accelerator == "gpu" and not gpus:
+            raise ConfigError("trainer.accelerator: received 'gpu', but TensorFlow sees no GPU; use 'auto' or 'cpu'")
+        if gpus:
+            if wanted and wanted > len(gpus):
+                raise ConfigError(f"trainer.strategy_options.devices: received {wanted}, but only {len(gpus)} GPUs are "
+                                  f"visible; set devices to at most {len(gpus)} (or leave it out to use all)")
+            names = [f"/gpu:{i}" for i in range(wanted or len(gpus))]
+        else:
+            count = wanted or 1
+            cores = os.cpu_count() or 1
+            if count > cores:
+                raise ConfigError(f"trainer.strategy_options.devices: received {count}, but this machine has {cores} "
+                                  f"CPU cores; set devices to at most {cores} logical CPU devices")
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            try:
+                tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+            except RuntimeError:
+                have = len(tf.config.list_logical_devices("CPU"))
+                if have != count:
+                    raise ConfigError(f"trainer.strategy_options.devices: {count} logical CPUs were asked for after "
+                                      f"TensorFlow had started with {have}; create the Trainer before using TensorFlow") from None
+            names = [f"/cpu:{i}" for i in range(count)]
+        return tf.distribute.MirroredStrategy(devices=names)
+
+
+class MWMSStrategy(TFDistributeStrategy):
+    """tf.distribute.MultiWorkerMirroredStrategy: one process per worker, cluster from TF_CONFIG."""
+
+    name = "mwms"
+
+    def _make(self) -> Any:
+        import logging
+
+        import tensorflow as tf
+
+        if self.world_size == 1 and "TF_CONFIG" not in os.environ:
+            logging.getLogger("unifit").warning(
+                "mwms: TF_CONFIG is not set, running a single worker; start N workers with: "
+                "unifit launch --nproc-per-node N -c <experiment.yaml>")
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=self.collective_timeout_s)
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
