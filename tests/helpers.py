@@ -15,8 +15,12 @@ PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
 # processes per strategy for the conformance suite, and the options it runs with there;
 # later strategies add their entry here. smddp-like runs 4 ranks as 2 "nodes" x 2, so its
 # hierarchical allreduce is really exercised.
-STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4}
-STRATEGY_OPTIONS = {"smddp-like": ["--trainer.strategy_options", "{local_world_size: 2}"]}
+STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4, "mirrored": 1, "mwms": 2}
+STRATEGY_REPLICAS = {**STRATEGY_PROCS, "mirrored": 2}  # mirrored: 2 logical CPU devices in one process
+STRATEGY_OPTIONS = {"smddp-like": ["--trainer.strategy_options", "{local_world_size: 2}"],
+                    "mirrored": ["--trainer.strategy_options", "{devices: 2}"]}
+KERAS_PROBE_YAML = REPO / "tests" / "probe" / "keras_probe.yaml"
+KERAS_STRATEGIES = {"mirrored", "mwms"}
 
 
 def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -42,7 +46,8 @@ def probe_args(strategy: str, root: Path | str, *overrides: str, ckpt: str | Non
                callbacks: list[dict] | None = None, report_dir: Path | None = None) -> list[str]:
     report_dir = report_dir or Path(str(root)) / "reports"
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
-    args = ["launch", "--nproc-per-node", str(STRATEGY_PROCS[strategy]), "-c", str(PROBE_YAML),
+    yaml_file = KERAS_PROBE_YAML if strategy in KERAS_STRATEGIES else PROBE_YAML
+    args = ["launch", "--nproc-per-node", str(STRATEGY_PROCS[strategy]), "-c", str(yaml_file),
             "--trainer.strategy", strategy, "--trainer.root_dir", str(root),
             "--trainer.callbacks", json.dumps([report, *(callbacks or [])]),
             *STRATEGY_OPTIONS.get(strategy, []), *overrides]

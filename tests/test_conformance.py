@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import STRATEGY_PROCS, assert_ok, launch_probe, metrics_lines, reports
+from tests.helpers import STRATEGY_PROCS, STRATEGY_REPLICAS, assert_ok, launch_probe, metrics_lines, reports
 
 STRATEGIES = list(STRATEGY_PROCS)
 N_TRAIN, N_VAL = 64, 37
@@ -34,7 +34,7 @@ def test_every_rank_reported(trained):
 
 @pytest.mark.timeout(240)
 def test_train_shards_are_disjoint_and_cover_each_epoch(trained):
-    _, root = trained
+    strategy, root = trained
     got = reports(root)
     for epoch in range(3):
         shards = [r["seen"][f"train_epoch_{epoch}"] for r in got]
@@ -42,6 +42,10 @@ def test_train_shards_are_disjoint_and_cover_each_epoch(trained):
         assert sorted(flat) == list(range(N_TRAIN)), f"epoch {epoch}: shards do not cover the data exactly once"
     if len(got) > 1:  # reshuffled each epoch
         assert got[0]["seen"]["train_epoch_0"] != got[0]["seen"]["train_epoch_1"]
+    by_replica = got[0]["seen_by_replica"]
+    if STRATEGY_REPLICAS[strategy] > STRATEGY_PROCS[strategy]:  # several replicas in one process: each its own part
+        parts = [set(by_replica[f"train_epoch_0/replica{r}"]) for r in range(STRATEGY_REPLICAS[strategy])]
+        assert all(parts) and not set.intersection(*parts)
 
 
 @pytest.mark.timeout(240)
@@ -63,6 +67,7 @@ def test_weights_and_metrics_identical_on_all_ranks(trained):
     _, root = trained
     got = reports(root)
     assert len({r["weights_sha256"] for r in got}) == 1
+    assert all(r["replicas_identical"] for r in got)
     assert all(r["metrics"] == got[0]["metrics"] for r in got)
     assert all(r["global_step"] == got[0]["global_step"] for r in got)
 
@@ -71,10 +76,8 @@ def test_weights_and_metrics_identical_on_all_ranks(trained):
 def test_only_rank_zero_wrote_files(trained):
     strategy, root = trained
     ckpts = sorted(p.name for p in (root / "checkpoints").iterdir())
-    assert ckpts == ["epoch=0001-step=%07d" % (8 // STRATEGY_PROCS[strategy]),
-                     "epoch=0002-step=%07d" % (16 // STRATEGY_PROCS[strategy]),
-                     "epoch=0003-step=%07d" % (24 // STRATEGY_PROCS[strategy]),
-                     "last.json"]
+    steps = 8 // STRATEGY_REPLICAS[strategy]  # 64 samples, batch 8 per replica
+    assert ckpts == [f"epoch={e:04d}-step={e * steps:07d}" for e in (1, 2, 3)] + ["last.json"]
     events = list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1, events
     assert len(metrics_lines(root)) == 3
@@ -104,7 +107,7 @@ def test_resume_continues_the_same_loss_curve(strategy, tmp_path):
     assert_ok(launch_probe(strategy, part, "--trainer.max_epochs", "2"))
     resumed = launch_probe(strategy, part, "--trainer.max_epochs", "4", ckpt="last")
     assert_ok(resumed)
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in resumed.stderr, resumed.stderr
     a, b = metrics_lines(full), metrics_lines(part)
     assert [line["epoch"] for line in b] == [1, 2, 3, 4]
     for key in ("train/loss", "val/loss", "lr"):

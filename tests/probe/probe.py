@@ -70,6 +70,12 @@ class ProbeModule(unifit.TrainModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
+    def weights(self) -> list[np.ndarray]:
+        return [p.detach().double().numpy().ravel() for p in self.parameters()]
+
+    def replicas_identical(self) -> bool:
+        return True  # one replica per process
+
     def _epoch(self) -> int:
         return self._unifit_epoch
 
@@ -86,12 +92,13 @@ class ProbeReport(unifit.Callback):
         ctx.module._unifit_epoch = ctx.state.epoch
 
     def on_fit_end(self, ctx) -> None:
-        params = [p.detach().double().numpy().ravel() for p in ctx.module.parameters()]
-        flat = np.concatenate(params)
+        flat = np.concatenate([w.ravel() for w in ctx.module.weights()])
         report = {
             "rank": ctx.rank,
             "world_size": ctx.world_size,
             "seen": ctx.module.seen,
+            "seen_by_replica": getattr(ctx.module, "seen_by_replica", {}),
+            "replicas_identical": ctx.module.replicas_identical(),
             "weights_sha256": hashlib.sha256(flat.tobytes()).hexdigest(),
             "weights_sum": float(flat.sum()),
             "metrics": ctx.state.metrics,

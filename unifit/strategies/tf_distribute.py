@@ -36,24 +36,22 @@ class TFDistributeStrategy(Strategy):
             return values
         import tensorflow as tf
 
-        fns = self.__dict__.setdefault("_reduce_fns", {})
-        if op not in fns:
-            def replica_fn(x: Any) -> Any:
-                ctx = tf.distribute.get_replica_context()
-                if op == "SUM":
-                    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x)
-                return tf.reduce_max(ctx.all_gather(x[tf.newaxis], axis=0), axis=0)
-
-            fns[op] = tf.function(lambda x: self.tf_strategy.run(replica_fn, args=(x,)))
-        local_replicas = max(1, len(self.tf_strategy.extended.worker_devices))
-        x = tf.constant(np.asarray(values, dtype=np.float64) / (local_replicas if op == "SUM" else 1))
+        strategy = self.tf_strategy
+        local_replicas = max(1, len(strategy.extended.worker_devices))
+        x = np.asarray(values, dtype=np.float64)
         try:
-            result = fns[op](x)
+            if op == "SUM":  # each local replica holds x / local replicas, so the sum counts it once
+                per_replica = strategy.experimental_distribute_values_from_function(
+                    lambda ctx: tf.constant(x / local_replicas))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
+            gather = self.__dict__.setdefault("_gather_fn", tf.function(lambda v: strategy.run(
+                lambda y: tf.distribute.get_replica_context().all_gather(y[tf.newaxis], axis=0), args=(v,))))
+            result = gather(strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(x)))
         except tf.errors.OpError as exc:
             raise DistributedError(f"{self.name}: a collective across workers failed within "
                                    f"{self.collective_timeout_s:g}s ({type(exc).__name__}); a worker is gone or "
                                    "unreachable: check the worker addresses (TF_CONFIG)") from None
-        return self.tf_strategy.experimental_local_results(result)[0].numpy()
+        return strategy.experimental_local_results(result)[0].numpy().max(axis=0)
 
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
         return self._all_reduce(values, "SUM")

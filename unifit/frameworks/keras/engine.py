@@ -143,7 +143,8 @@ class KerasEngine(Engine):
         for i, batch in enumerate(self._dataset(self.val_arrays, mine, False)):
             if limit is not None and i >= limit:
                 break
-            self.collector.batch_count = sizes[i]
+            # MWMS keeps uneven workers in step with empty batches once a worker's shard is done
+            self.collector.batch_count = sizes[i] if i < len(sizes) else 0
             yield batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -221,12 +222,20 @@ class KerasEngine(Engine):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def _seed_generators(self) -> list[Any]:
+        """Keras layers' own random streams (Dropout, ...): not model weights, but part of the RNG state."""
+        found = []
+        for layer in self.module.model._flatten_layers(include_self=True):
+            found += getattr(layer, "_seed_generators", [])
+        return found
+
     def rng_state(self) -> dict[str, Any]:
         np_state = np.random.get_state(legacy=False)
         return {"python": random.getstate(),
                 "numpy": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"]),
                           "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
-                "tf": tf.random.get_global_generator().state.numpy().tolist()}
+                "tf": tf.random.get_global_generator().state.numpy().tolist(),
+                "keras_layers": [np.asarray(g.state.numpy()).tolist() for g in self._seed_generators()]}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         random.setstate(_as_tuple(state["python"]))
@@ -234,6 +243,8 @@ class KerasEngine(Engine):
         np.random.set_state({"bit_generator": "MT19937", "state": {"key": np.asarray(n["key"], dtype=np.uint32),
                              "pos": n["pos"]}, "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
         tf.random.get_global_generator().reset(np.asarray(state["tf"], dtype=np.int64))
+        for generator, value in zip(self._seed_generators(), state.get("keras_layers", [])):
+            generator.state.assign(np.asarray(value, dtype=generator.state.dtype))
 
     def seed(self, seed: int) -> None:
         random.seed(seed)
