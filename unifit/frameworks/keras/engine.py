@@ -2,9 +2,9 @@
 
 Data: arrays are shuffled with seed + epoch (the same permutation everywhere), each worker takes
 its own slice (rank::world, trimmed to equal length so every worker runs the same number of
-steps, as MWMS needs), batches it with batch_size x local replicas, and TensorFlow's auto-shard
-is OFF (unifit already sharded) while experimental_distribute_dataset splits each batch among
-the local replicas. Validation shards are disjoint and not trimmed; metrics are sample-weighted.
+steps, as MWMS needs) and serves it through distribute_datasets_from_function in per-replica
+batches (no TensorFlow auto-sharding or rebatching on top). Validation shards are disjoint and
+not trimmed; MWMS hands empty batches to a worker whose shard ended first, so nobody hangs.
 """
 
 from __future__ import annotations
@@ -105,11 +105,17 @@ class KerasEngine(Engine):
 
     # ---- data -------------------------------------------------------------------------------
     def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, drop_remainder: bool) -> Any:
-        ds = tf.data.Dataset.from_tensor_slices(tuple(a[indices] for a in arrays[:2]))
-        ds = ds.batch(self.local_batch, drop_remainder=drop_remainder)
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        return self.dist.experimental_distribute_dataset(ds.with_options(options))
+        """This worker's samples in per-replica batches; each local replica dequeues one per step.
+
+        distribute_datasets_from_function does no auto-sharding and no rebatching: unifit has
+        already given this worker its own part, which is what every replica trains on.
+        """
+        data = tuple(a[indices] for a in arrays[:2])
+
+        def dataset_fn(context: Any) -> Any:
+            return tf.data.Dataset.from_tensor_slices(data).batch(self.config.batch_size, drop_remainder=drop_remainder)
+
+        return self.dist.distribute_datasets_from_function(dataset_fn)
 
     def _sizes(self, total: int) -> list[int]:
         full, rest = divmod(total, self.local_batch)
