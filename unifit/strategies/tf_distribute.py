@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from abc import abstractmethod
 from typing import Any
 
@@ -142,4 +144,21 @@ class MWMSStrategy(TFDistributeStrategy):
                 "mwms: TF_CONFIG is not set, running a single worker; start N workers with: "
                 "unifit launch --nproc-per-node N -c <experiment.yaml>")
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=self.collective_timeout_s)
-        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        # TensorFlow waits without a limit (holding the GIL) for every worker to connect: a watchdog
+        # process ends this one with a clear message if that takes longer than collective_timeout_s
+        watchdog = self._watchdog()
+        try:
+            return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        finally:
+            watchdog.kill()
+            watchdog.wait()
+
+    def _watchdog(self) -> subprocess.Popen:
+        message = (f"unifit: error (rank {self.rank}): mwms: not every worker connected within "
+                   f"{self.collective_timeout_s:g}s, a worker is gone or unreachable; check the worker addresses in "
+                   f"TF_CONFIG ({os.environ.get('TF_CONFIG', '')}) and that every worker was started")
+        code = ("import os, signal, sys, time\n"
+                f"time.sleep({self.collective_timeout_s!r})\n"
+                f"print({message!r}, file=sys.stderr, flush=True)\n"
+                f"os.kill({os.getpid()}, signal.SIGKILL)\n")
+        return subprocess.Popen([sys.executable, "-c", code])

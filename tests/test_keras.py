@@ -1,0 +1,85 @@
+"""Keras modules under mirrored and mwms: the examples, the chief's files, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from tests.helpers import assert_ok, launch_probe, metrics_lines, run_unifit
+
+KERAS_DIGITS = "examples/digits/keras.yaml"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, procs, options", [("mirrored", 1, "{devices: 2}"), ("mwms", 2, "{}")])
+def test_keras_digits_reach_95_percent(tmp_path, strategy, procs, options):
+    result = run_unifit("launch", "--nproc-per-node", str(procs), "-c", KERAS_DIGITS, "--trainer.strategy", strategy,
+                        "--trainer.strategy_options", options, "--trainer.root_dir", str(tmp_path), timeout=280)
+    assert_ok(result)
+    last = metrics_lines(tmp_path)[-1]
+    assert last["epoch"] == 10 and last["val/acc"] >= 0.95, last
+    assert last["lr"] == pytest.approx(0.1)  # base 0.05 x 2 replicas
+
+
+@pytest.mark.timeout(200)
+def test_mwms_non_chief_checkpoint_copies_are_removed(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = launch_probe("mwms", tmp_path / "run", env={"TMPDIR": str(scratch)})
+    assert_ok(result)
+    assert not [p for p in scratch.iterdir() if p.name.startswith("unifit-tf-ckpt-")]
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts == ["epoch=0001-step=0000004", "epoch=0002-step=0000008", "epoch=0003-step=0000012", "last.json"]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints" / ckpts[0] / "tf")) == ["ckpt.data-00000-of-00001", "ckpt.index"]
+
+
+def _one_line(result, *needles):
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
+    assert lines and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_torch_module_with_a_tensorflow_strategy(tmp_path):
+    _one_line(run_unifit("fit", "-c", "examples/digits/torch.yaml", "--trainer.strategy", "mirrored",
+                         "--trainer.root_dir", str(tmp_path)),
+              "'mirrored' trains tensorflow modules", "DigitsClassifier is a torch module", "use one of: single, ddp")
+
+
+@pytest.mark.timeout(120)
+def test_keras_module_with_a_torch_strategy(tmp_path):
+    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "ddp", "--trainer.root_dir", str(tmp_path)),
+              "'ddp' trains torch modules", "DigitsKeras is a tensorflow module", "mirrored, mwms")
+
+
+@pytest.mark.timeout(120)
+def test_mirrored_with_more_devices_than_exist(tmp_path):
+    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy_options", "{devices: 64}",
+                         "--trainer.root_dir", str(tmp_path)),
+              "trainer.strategy_options.devices: received 64", f"has {os.cpu_count()} CPU cores", "at most")
+
+
+@pytest.mark.timeout(120)
+def test_malformed_tf_config(tmp_path):
+    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "mwms", "--trainer.root_dir", str(tmp_path),
+                         env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker"}}'}),
+              "TF_CONFIG: received", "expected")
+
+
+@pytest.mark.timeout(180)
+def test_unreachable_worker_fails_instead_of_hanging(tmp_path):
+    """A user-provided TF_CONFIG naming a second worker that never starts."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = [a.getsockname()[1], b.getsockname()[1]]
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}}
+    result = run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "mwms", "--trainer.root_dir", str(tmp_path),
+                        "--trainer.collective_timeout_s", "10", env={"TF_CONFIG": json.dumps(tf_config)}, timeout=170)
+    assert result.returncode != 0
+    assert "unifit: error" in result.stderr and "a worker is gone or unreachable" in result.stderr, result.stderr[-3000:]
