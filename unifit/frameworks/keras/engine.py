@@ -38,7 +38,7 @@ class KerasEngine(Engine):
                               "is implemented for PyTorch modules only); raise batch_size instead")
         self.dist = getattr(strategy, "tf_strategy", None) or tf.distribute.get_strategy()
         self.replicas = self.dist.num_replicas_in_sync
-        self.local_replicas = max(1, len(self.dist.extended.worker_devices))
+        self.local_replicas = _local_replicas(self.dist)
         self.local_batch = cfg.batch_size * self.local_replicas
 
         train, presharded = self._rank_data(self.data.train_dataset())
@@ -95,7 +95,9 @@ class KerasEngine(Engine):
             sums["_count"] = tf.cast(tf.shape(per_example)[0], tf.float32)
             return sums
 
-        def step(batch: Any) -> dict[str, Any]:
+        def step(batch_or_iterator: Any) -> dict[str, Any]:
+            # training passes the iterator and dequeues inside the graph, as Keras' own fit does
+            batch = next(batch_or_iterator) if train else batch_or_iterator
             per_replica = self.dist.run(replica_step, args=batch)
             local = {k: tf.add_n(self.dist.experimental_local_results(v)) for k, v in per_replica.items()}
             count = tf.maximum(local.pop("_count"), 1.0)
@@ -127,11 +129,10 @@ class KerasEngine(Engine):
         mine = order if self.train_presharded else order[self.strategy.rank::self.strategy.world_size]
         mine = mine[: self.per_worker]  # every worker the same number of samples (and steps)
         sizes = self._sizes(self.per_worker)
-        for i, batch in enumerate(self._dataset(self.train_arrays, mine, self.config.drop_last)):
-            if i >= self._batches:
-                break
+        iterator = iter(self._dataset(self.train_arrays, mine, self.config.drop_last))
+        for i in range(self._batches):  # the same count on every worker
             self.collector.batch_count = sizes[i]
-            yield batch
+            yield iterator  # train_step dequeues the batch inside its compiled step
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
         means = self._train_fn(batch)
@@ -256,6 +257,14 @@ class KerasEngine(Engine):
         random.seed(seed)
         np.random.seed(seed % 2**32)
         tf.random.set_seed(seed)
+
+
+def _local_replicas(dist: Any) -> int:
+    """Replicas in this process (the default strategy has one and no device list)."""
+    try:
+        return max(1, len(dist.extended.worker_devices))
+    except RuntimeError:
+        return 1
 
 
 def _as_tuple(value: Any) -> Any:
