@@ -10,6 +10,8 @@ venv="${UNIFIT_VENV:-$repo/.venv}"
 python="${UNIFIT_PYTHON:-$(command -v python3.11 || command -v python3)}"
 # A bare 'torch' requirement can pull a multi-GB CUDA build; the pinned CPU build comes first.
 torch_spec="${UNIFIT_TORCH_SPEC:-torch==2.13.0}"
+# TensorFlow for the tests: the CPU build these machines were checked with, pinned like torch.
+tf_spec="${UNIFIT_TF_SPEC:-tensorflow-cpu==2.21.0}"
 
 case "$profile" in
   main) extras="torch,examples" ;;
@@ -24,5 +26,8 @@ if [ -f "$stamp" ]; then
 fi
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "$torch_spec"
+if [ "$profile" = test ]; then
+  "$venv/bin/python" -c "import tensorflow" 2>/dev/null || "${pip[@]}" "$tf_spec"
+fi
 "${pip[@]}" -e "$repo[$extras]"
 touch "$stamp"
