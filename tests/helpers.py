@@ -25,20 +25,8 @@ KERAS_STRATEGIES = {"mirrored", "mwms"}
 
 def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m unifit ARGS` in its own session; on timeout the whole group is killed and the test fails."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "unifit", *args], cwd=REPO, env=full_env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"unifit {' '.join(args)} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing it started may outlive the test
-        except ProcessLookupError:
-            pass
+    proc = start_unifit(*args, env=env)
+    out, err = stop(proc, timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -75,7 +63,7 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        raise AssertionError(f"{' '.join(map(str, proc.args))} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

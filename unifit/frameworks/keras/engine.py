@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import tempfile
 from typing import Any, Iterator
@@ -24,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 
 from unifit.errors import ConfigError  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
+from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
 from unifit.trainer.lr_policy import LRPolicy  # noqa: E402
 
@@ -237,25 +237,17 @@ class KerasEngine(Engine):
         return found
 
     def rng_state(self) -> dict[str, Any]:
-        np_state = np.random.get_state(legacy=False)
-        return {"python": random.getstate(),
-                "numpy": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"]),
-                          "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])},
-                "tf": tf.random.get_global_generator().state.numpy().tolist(),
+        return {**host_rng_state(), "tf": tf.random.get_global_generator().state.numpy().tolist(),
                 "keras_layers": [np.asarray(g.state.numpy()).tolist() for g in self._seed_generators()]}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        random.setstate(_as_tuple(state["python"]))
-        n = state["numpy"]
-        np.random.set_state({"bit_generator": "MT19937", "state": {"key": np.asarray(n["key"], dtype=np.uint32),
-                             "pos": n["pos"]}, "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        set_host_rng_state(state)
         tf.random.get_global_generator().reset(np.asarray(state["tf"], dtype=np.int64))
         for generator, value in zip(self._seed_generators(), state.get("keras_layers", [])):
             generator.state.assign(np.asarray(value, dtype=generator.state.dtype))
 
     def seed(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
+        seed_host(seed)
         tf.random.set_seed(seed)
 
 
@@ -265,10 +257,6 @@ def _local_replicas(dist: Any) -> int:
         return max(1, len(dist.extended.worker_devices))
     except RuntimeError:
         return 1
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:

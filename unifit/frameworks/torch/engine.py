@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import random
 from typing import Any, Iterator
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
+from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.device import torch_device
 from unifit.trainer.lr_policy import LRPolicy
@@ -190,29 +190,17 @@ class TorchEngine(Engine):
         self._steps = int(state["optimizer_steps"])
 
     def rng_state(self) -> dict[str, Any]:
-        np_state = np.random.get_state(legacy=False)
-        return {
-            "python": random.getstate(),
-            "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                      "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                      "gauss": float(np_state["gauss"])},
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
+        return {**host_rng_state(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        random.setstate(_as_tuple(state["python"]))
-        n = state["numpy"]
-        np.random.set_state({"bit_generator": "MT19937",
-                             "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        set_host_rng_state(state)
         torch.set_rng_state(state["torch"])
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
     def seed(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
+        seed_host(seed)
         torch.manual_seed(seed)
 
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
@@ -236,10 +224,6 @@ def _base_validation_step() -> Any:
     from unifit.frameworks.torch.module import TrainModule
 
     return TrainModule.validation_step
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _configure_optimizers(module: torch.nn.Module) -> Any:
