@@ -83,3 +83,20 @@ def test_unreachable_worker_fails_instead_of_hanging(tmp_path):
                         "--trainer.collective_timeout_s", "10", env={"TF_CONFIG": json.dumps(tf_config)}, timeout=170)
     assert result.returncode != 0
     assert "unifit: error" in result.stderr and "a worker is gone or unreachable" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_smddp_like_with_a_keras_module(tmp_path):
+    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "smddp-like", "--trainer.root_dir", str(tmp_path)),
+              "'smddp-like' trains torch modules", "DigitsKeras is a tensorflow module")
+
+
+def test_tf_config_launcher_addresses_every_host():
+    """`--hosts h1,h2 --node-rank R`: worker i of host h at h:(master_port + i); this node starts its own."""
+    from unifit.strategies.launchers.base import LaunchSpec
+    from unifit.strategies.launchers.tf_config import TFConfigLauncher
+
+    spec = LaunchSpec(nproc_per_node=2, nnodes=2, node_rank=1, master_port=23456, hosts=["h1", "h2"])
+    workers, mine = TFConfigLauncher("mwms").cluster(spec)
+    assert workers == ["h1:23456", "h1:23457", "h2:23456", "h2:23457"]
+    assert mine == [2, 3]
