@@ -179,4 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank = os.environ.get("RANK")
         prefix = f"unifit: error (rank {rank}): " if rank not in (None, "0") else "unifit: error: "
         print(prefix + str(exc).replace("\n", " "), file=sys.stderr)
+        if rank is not None:  # a launched rank: skip interpreter shutdown, where a torn-down gloo
+            sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
         return exc.exit_code
