@@ -65,7 +65,7 @@ class Trainer:
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             state.steps_per_epoch = -(-engine.batches_per_epoch // cfg.accumulate_grad_batches)
-            callbacks = self._callbacks(strategy.rank)
+            callbacks = self._callbacks()
             self._running = {"engine": engine, "strategy": strategy, "store": store, "callbacks": callbacks,
                              "committer": Committer(background=is_remote(cfg.checkpoint_dir))}
             ctx = FitContext(
@@ -181,7 +181,7 @@ class Trainer:
                 break
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _callbacks(self, rank: int) -> list[Callback]:
+    def _callbacks(self) -> list[Callback]:
         from unifit.callbacks import default_callbacks
 
         user = [load_object(c.class_path, field="trainer.callbacks")(**c.init_args) for c in self.config.callbacks]
