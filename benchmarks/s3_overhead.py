@@ -72,12 +72,12 @@ class EpochClock(unifit.Callback):
         return [b - a for a, b in zip(self.marks, self.marks[1:])][1:]
 
 
-def run(storage: str, epochs: int, bucket: str) -> list[float]:
+def run(storage: str, epochs: int, bucket: str, sync_every: float) -> list[float]:
     clock = EpochClock()
     local = tempfile.mkdtemp(prefix="unifit-bench-")
     tag = uuid.uuid4().hex[:6]
     checkpoint = {"dir": f"s3://{bucket}/{tag}/ckpt"} if storage == "s3" else {}
-    tensorboard = {"sync_to": f"s3://{bucket}/{tag}/tb", "sync_every_s": 1.0} if storage == "s3" else {}
+    tensorboard = {"sync_to": f"s3://{bucket}/{tag}/tb", "sync_every_s": sync_every} if storage == "s3" else {}
     unifit.Trainer(max_epochs=epochs, batch_size=64, root_dir=local, progress_bar=False, checkpoint=checkpoint,
                    tensorboard={**tensorboard, "log_every_n_steps": 10}, callbacks=[clock]).fit(Model())
     return clock.epoch_times()
@@ -87,8 +87,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--out", default="benchmarks/results/s3_overhead.md")
+    parser.add_argument("--sync-every", type=float, default=1.0, help="TensorBoard sync period (s); unifit's default is 30")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/s3_overhead[_syncN].md")
     args = parser.parse_args()
+    args.out = args.out or ("benchmarks/results/s3_overhead.md" if args.sync_every == 1.0
+                            else f"benchmarks/results/s3_overhead_sync{args.sync_every:g}.md")
     torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,7 +112,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"local": [], "s3": []}
         for rep in range(args.reps):
             for storage in (("local", "s3") if rep % 2 == 0 else ("s3", "local")):
-                epoch_times = run(storage, args.epochs, "bench")
+                epoch_times = run(storage, args.epochs, "bench", args.sync_every)
                 times[storage] += epoch_times
                 print(rep, storage, [round(t, 3) for t in epoch_times], flush=True)
     finally:
@@ -120,11 +123,12 @@ def main() -> None:
     overhead = med["s3"] / med["local"] - 1
     lines = [
         "# S3 overhead: TensorBoard sync + a checkpoint per epoch to S3 vs local-only storage", "",
-        f"Command: `.venv/bin/python benchmarks/s3_overhead.py --reps {args.reps} --epochs {args.epochs}`",
+        f"Command: `.venv/bin/python benchmarks/s3_overhead.py --reps {args.reps} --epochs {args.epochs} "
+        f"--sync-every {args.sync_every:g}`",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch threads 1; date {time.strftime('%Y-%m-%d')}. "
         f"S3: moto server on 127.0.0.1 (own process). Model: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-10, "
         f"{params / 1e6:.2f} M parameters (checkpoint ~{params * 4 * 3 / 2**20:.0f} MB with momentum), "
-        f"{SAMPLES} samples/epoch, batch 64; TensorBoard: step scalars every 10 steps, sync every 1 s.", "",
+        f"{SAMPLES} samples/epoch, batch 64; TensorBoard: step scalars every 10 steps, sync every {args.sync_every:g} s.", "",
         "| storage | median epoch time (s) | epochs measured |", "|---|---|---|",
         f"| local | {med['local']:.3f} | {len(times['local'])} |",
         f"| S3 (checkpoint + TB sync) | {med['s3']:.3f} | {len(times['s3'])} |", "",
