@@ -48,3 +48,18 @@ def test_registry_refuses_a_module_of_another_framework():
 
     with pytest.raises(ConfigError, match="'ddp' trains torch modules, but KerasThing is a tensorflow module"):
         registry.check_framework("ddp", "tensorflow", "KerasThing")
+
+
+def test_torchrun_launcher_passes_multi_node_flags_through():
+    from unifit.strategies.launchers.base import LaunchSpec
+    from unifit.strategies.launchers.torchrun import TorchrunLauncher
+
+    launcher = TorchrunLauncher("ddp")
+    one_node = launcher.torchrun_args(LaunchSpec(nproc_per_node=2, fit_args=["-c", "x.yaml"]))
+    assert one_node == ["--nproc-per-node", "2", "--standalone", "-m", "unifit", "fit", "-c", "x.yaml"]
+    spec = LaunchSpec(nproc_per_node=4, nnodes=2, node_rank=1, rdzv_endpoint="head:29400", fit_args=["-c", "x.yaml"])
+    assert launcher.torchrun_args(spec) == ["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
+                                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400",
+                                            "-m", "unifit", "fit", "-c", "x.yaml"]
+    static = LaunchSpec(nproc_per_node=1, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=7777)
+    assert "--master-addr" in launcher.torchrun_args(static) and "7777" in launcher.torchrun_args(static)
