@@ -13,6 +13,8 @@ class Callback:
 
     `rank_zero_only = True` callbacks run on rank 0 alone (files, terminal output); the others
     run on every rank and must make the same decisions everywhere (they see averaged metrics).
+    `on_train_batch_start` receives what the engine feeds its step: the batch for PyTorch, the
+    distributed iterator its compiled step dequeues from for Keras. `loss` is the step's loss tensor.
     """
 
     rank_zero_only: ClassVar[bool] = False
