@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager, Iterator
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from unifit.errors import ConfigError, UnifitError
+from unifit.errors import ConfigError, DistributedError, UnifitError
 from unifit.strategies.environment import ClusterEnvironment
 
 
@@ -133,7 +133,8 @@ class TorchDistributedStrategy(Strategy, ABC):
             return values
         torch, dist = self._torch()
         tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+        with self._collective(f"all_reduce {op.lower()}"):
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
         return tensor.numpy()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -141,7 +142,8 @@ class TorchDistributedStrategy(Strategy, ABC):
             return [obj]
         _, dist = self._torch()
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self._collective("all_gather_object"):
+            dist.all_gather_object(out, obj)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -149,5 +151,16 @@ class TorchDistributedStrategy(Strategy, ABC):
             return obj
         _, dist = self._torch()
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self._collective("broadcast_object"):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """A collective that breaks because another rank died or hung ends this rank with one line."""
+        try:
+            yield
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(f"{what} on rank {self.rank} failed: {first}; "
+                                   "another rank failed or stopped calling collectives, see its error") from exc

@@ -51,13 +51,16 @@ class DDPStrategy(TorchDistributedStrategy):
             return
         backend = self._backend_name(torch_device(self.accelerator, self.local_rank))
         if not dist.is_initialized():
+            # twice the barrier timeout: a rank stuck in a collective because another skipped a barrier
+            # must not fail before the barrier does, which names the real mistake
             dist.init_process_group(
                 backend=backend,
-                timeout=datetime.timedelta(seconds=self.collective_timeout_s),
+                timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s),
                 **self._init_kwargs(),
             )
             self._owns_group = True
-        self._backend = dist.get_backend()
+        # barriers get their own gloo group, so they never pair up with another rank's training collectives
+        self._barrier_group = dist.new_group(backend="gloo")
 
     def _backend_name(self, device: Any) -> str:
         if self.options.backend != "auto":
@@ -110,11 +113,8 @@ class DDPStrategy(TorchDistributedStrategy):
 
         timeout = datetime.timedelta(seconds=self.collective_timeout_s)
         try:
-            if self._backend == "gloo":
-                # reports which ranks are missing instead of hanging
-                dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
-            else:
-                dist.barrier(device_ids=[self.local_rank])
+            # reports which ranks are missing instead of hanging
+            dist.monitored_barrier(group=self._barrier_group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DistributedError(

@@ -14,9 +14,12 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from unifit.errors import ConfigError, UnifitError
+
+if TYPE_CHECKING:
+    from unifit.strategies.environment import ClusterEnvironment
 
 _SECTIONS = ("module.", "data.", "trainer.")
 
@@ -176,11 +179,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnifitError as exc:
         if os.environ.get("UNIFIT_DEBUG"):
             raise
-        rank = os.environ.get("RANK")
-        prefix = f"unifit: error (rank {rank}): " if rank not in (None, "0") else "unifit: error: "
-        print(prefix + str(exc).replace("\n", " "), file=sys.stderr)
-        if rank is not None:  # a launched rank: skip interpreter shutdown, where a torn-down gloo
+        env = _launched_environment()
+        prefix = f"unifit: error (rank {env.rank}): " if env.rank else "unifit: error: "
+        sys.stderr.write(prefix + str(exc).replace("\n", " ") + "\n")  # one write: ranks share the terminal
+        if env.source != "none":  # a launched rank: skip interpreter shutdown, where a torn-down gloo
             sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher
             sys.stderr.flush()
             os._exit(exc.exit_code)
         return exc.exit_code
+
+
+def _launched_environment() -> ClusterEnvironment:
+    from unifit.strategies.environment import ClusterEnvironment, detect
+
+    try:
+        return detect()
+    except UnifitError:
+        return ClusterEnvironment()

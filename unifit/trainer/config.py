@@ -86,7 +86,7 @@ class TrainerConfig(_Strict):
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (only when attached to a terminal).")
     export_dir: str | None = Field(None, description="Where rank 0 writes the final model at the end of training (model.pt for PyTorch); SageMaker's SM_MODEL_DIR by default there.")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for every URL (e.g. {endpoint_url: ..., profile: ...}); secrets are never saved or printed. Default: the standard AWS environment and config files.")
-    collective_timeout_s: PositiveFloat = Field(300.0, description="A collective or barrier that waits longer fails every rank instead of hanging.")
+    collective_timeout_s: PositiveFloat = Field(300.0, description="A barrier that waits longer fails every rank instead of hanging (other collectives after twice this, so the barrier, which names the missing ranks, reports first).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="See CheckpointConfig.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
     early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
