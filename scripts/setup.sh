@@ -2,7 +2,7 @@
 # Install what a unifit job needs into .venv (override with UNIFIT_VENV). Safe to run again:
 # an unchanged profile is detected by a stamp and costs nothing.
 #   scripts/setup.sh main   # the example job: torch (CPU build) + scikit-learn
-#   scripts/setup.sh test   # everything the test suite needs
+#   scripts/setup.sh test   # everything the test suite needs, Horovod included (built once, cached)
 set -euo pipefail
 profile="${1:-main}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -20,7 +20,7 @@ case "$profile" in
 esac
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-stamp="$venv/.unifit-$profile-$(cat "$repo/pyproject.toml" "$0" | sha256sum | cut -c1-16)"
+stamp="$venv/.unifit-$profile-$(cat "$repo/pyproject.toml" "$0" "$repo/scripts/build_horovod.sh" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -30,4 +30,7 @@ if [ "$profile" = test ]; then
   "$venv/bin/python" -c "import tensorflow" 2>/dev/null || "${pip[@]}" "$tf_spec"
 fi
 "${pip[@]}" -e "$repo[$extras]"
+if [ "$profile" = test ]; then
+  bash "$repo/scripts/build_horovod.sh" "$venv"  # from source, for this torch and TensorFlow
+fi
 touch "$stamp"

@@ -15,12 +15,18 @@ PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
 # processes per strategy for the conformance suite, and the options it runs with there;
 # later strategies add their entry here. smddp-like runs 4 ranks as 2 "nodes" x 2, so its
 # hierarchical allreduce is really exercised.
-STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4, "mirrored": 1, "mwms": 2}
+# Keys are test variants: a strategy name, or "<strategy>-keras" for a strategy that trains both
+# frameworks, run there with the Keras probe.
+STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4, "mirrored": 1, "mwms": 2, "horovod": 2, "horovod-keras": 2}
 STRATEGY_REPLICAS = {**STRATEGY_PROCS, "mirrored": 2}  # mirrored: 2 logical CPU devices in one process
 STRATEGY_OPTIONS = {"smddp-like": ["--trainer.strategy_options", "{local_world_size: 2}"],
                     "mirrored": ["--trainer.strategy_options", "{devices: 2}"]}
 KERAS_PROBE_YAML = REPO / "tests" / "probe" / "keras_probe.yaml"
-KERAS_STRATEGIES = {"mirrored", "mwms"}
+KERAS_STRATEGIES = {"mirrored", "mwms", "horovod-keras"}
+
+
+def strategy_name(variant: str) -> str:
+    return variant.removesuffix("-keras")
 
 
 def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -36,7 +42,7 @@ def probe_args(strategy: str, root: Path | str, *overrides: str, ckpt: str | Non
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
     yaml_file = KERAS_PROBE_YAML if strategy in KERAS_STRATEGIES else PROBE_YAML
     args = ["launch", "--nproc-per-node", str(STRATEGY_PROCS[strategy]), "-c", str(yaml_file),
-            "--trainer.strategy", strategy, "--trainer.root_dir", str(root),
+            "--trainer.strategy", strategy_name(strategy), "--trainer.root_dir", str(root),
             "--trainer.callbacks", json.dumps([report, *(callbacks or [])]),
             *STRATEGY_OPTIONS.get(strategy, []), *overrides]
     return args + (["--ckpt-path", ckpt] if ckpt else [])

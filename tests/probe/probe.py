@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import unifit
+from unifit.strategies import environment
 
 
 class Indexed(Dataset):
@@ -40,7 +41,7 @@ class ProbeModule(unifit.TrainModule):
         self.nan_at_step, self.nan_rank = nan_at_step, nan_rank
         self.log_rank_only = log_rank_only
         self.seen: dict[str, list[int]] = {}
-        self.rank = int(os.environ.get("RANK", 0))
+        self.rank = environment.detect().rank  # whichever launcher started this process
         self._steps = 0
 
     def train_dataset(self):

@@ -32,9 +32,10 @@ class Strategy(ABC):
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = NoOptions
 
-    def __init__(self, env: ClusterEnvironment, *, accelerator: str = "auto",
+    def __init__(self, env: ClusterEnvironment, *, framework: str = "torch", accelerator: str = "auto",
                  collective_timeout_s: float = 300.0, options: dict[str, Any] | None = None) -> None:
         self.env = env
+        self.framework = framework  # of the module being trained; strategies spanning two pick an adapter by it
         self.accelerator = accelerator
         self.collective_timeout_s = collective_timeout_s
         try:
@@ -76,6 +77,24 @@ class Strategy(ABC):
     def no_sync(self, wrapped_model: Any) -> ContextManager[Any]:
         """Context that skips gradient sync for accumulation micro-batches."""
         return contextlib.nullcontext()
+
+    # ---- optimizer-level synchronisation (strategies that reduce gradients themselves) --------
+    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
+        """Wrap a torch optimizer so its step averages gradients (identity by default); the model
+        is already prepared and holds its initial state, which a strategy may broadcast here."""
+        return optimizer
+
+    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
+        """Context around gradient clipping and optimizer.step(): gradients are averaged on entry."""
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
+        """Average a TensorFlow replica's gradients across processes, inside the compiled step
+        (identity where tf.distribute already does it)."""
+        return grads
+
+    def broadcast_variables(self, variables: list[Any]) -> None:
+        """Give every process rank 0's values of these TensorFlow variables (no-op by default)."""
 
     # ---- collectives (no-ops at world size 1) ----------------------------------------
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:

@@ -56,6 +56,19 @@ def from_torchrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
     )
 
 
+def from_horovodrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """horovodrun --gloo: HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK/SIZE, HOROVOD_CROSS_RANK."""
+    env = os.environ if env is None else env
+    if "HOROVOD_RANK" not in env or "HOROVOD_SIZE" not in env:
+        return None
+    world = _int(env, "HOROVOD_SIZE", 1)
+    return ClusterEnvironment(
+        rank=_int(env, "HOROVOD_RANK", 0), world_size=world, local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
+        local_world_size=_int(env, "HOROVOD_LOCAL_SIZE", world), node_rank=_int(env, "HOROVOD_CROSS_RANK", 0),
+        master_addr=env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"),
+        master_port=_int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", 29500), source="horovodrun")
+
+
 def from_open_mpi(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
     """mpirun (Open MPI), as SageMaker's mpi and smdistributed launchers start processes.
 
@@ -106,8 +119,8 @@ def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterEnvironment |
                               master_addr=host, master_port=int(port), source="tf_config")
 
 
-# Readers tried in order; later issues (Horovod) add theirs here.
-READERS = (from_torchrun, from_open_mpi, from_tf_config)
+# Readers tried in order; the first that recognises its launcher's variables wins.
+READERS = (from_torchrun, from_horovodrun, from_open_mpi, from_tf_config)
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnvironment:

@@ -44,7 +44,10 @@ register(StrategyEntry(
     "smddp-like", "unifit.strategies.smddp:SMDDPLikeStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
     frozenset({"torch"}), "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)"))
 
-
+register(StrategyEntry(
+    "horovod", "unifit.strategies.horovod.strategy:HorovodStrategy",
+    "unifit.strategies.launchers.horovodrun:HorovodrunLauncher",
+    frozenset({"torch", "tensorflow"}), "Horovod ring-allreduce, launched by horovodrun"))
 register(StrategyEntry(
     "mirrored", "unifit.strategies.tf_distribute:MirroredStrategy", "unifit.strategies.launchers.base:SingleProcessLauncher",
     frozenset({"tensorflow"}), "TensorFlow MirroredStrategy: one process, all local devices"))

@@ -53,7 +53,7 @@ class Trainer:
         cfg = self.config
         registry.check_framework(cfg.strategy, getattr(module, "framework", "?"), type(module).__name__)
         strategy = registry.create(
-            cfg.strategy, environment.detect(), accelerator=cfg.accelerator,
+            cfg.strategy, environment.detect(), framework=module.framework, accelerator=cfg.accelerator,
             collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
         engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, cfg)
         store = CheckpointStore(cfg.checkpoint_dir, cfg.storage_options)

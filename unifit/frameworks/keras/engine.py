@@ -37,8 +37,9 @@ class KerasEngine(Engine):
             raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
                               "is implemented for PyTorch modules only); raise batch_size instead")
         self.dist = getattr(strategy, "tf_strategy", None) or tf.distribute.get_strategy()
-        self.replicas = self.dist.num_replicas_in_sync
         self.local_replicas = _local_replicas(self.dist)
+        # replicas over all processes: tf.distribute's own count for mirrored/mwms, one per process for horovod
+        self.replicas = strategy.world_size * self.local_replicas
         self.local_batch = cfg.batch_size * self.local_replicas
 
         train, presharded = self._rank_data(self.data.train_dataset())
@@ -66,6 +67,7 @@ class KerasEngine(Engine):
             self.optimizer, self.schedule = with_policy(optimizer, self.policy)
             model.build(tuple([None, *self.train_arrays[0].shape[1:]]))
             self.optimizer.build(model.trainable_variables)
+        strategy.broadcast_variables(model.variables + self.optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
         self._train_fn = tf.function(self._distributed_step(train=True))
         self._val_fn = tf.function(self._distributed_step(train=False))
@@ -83,7 +85,7 @@ class KerasEngine(Engine):
                     if module.model.losses:
                         loss += tf.nn.scale_regularization_loss(tf.add_n(module.model.losses))
                 variables = module.model.trainable_variables
-                grads = tape.gradient(loss, variables)
+                grads = self.strategy.reduce_gradients(tape.gradient(loss, variables))
                 if clip is not None:
                     grads, _ = tf.clip_by_global_norm(grads, clip)
                 optimizer.apply_gradients(zip(grads, variables))

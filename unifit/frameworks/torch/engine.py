@@ -73,6 +73,10 @@ class TorchEngine(Engine):
         self._steps = 0
         step_module = _StepModule(self.module)
         self.wrapped = strategy.prepare_model(step_module, self.device)
+        optimizer = strategy.prepare_optimizer(self.optimizer, self.module, self.accumulate)
+        if optimizer is not self.optimizer and self.scheduler is not None:
+            self.scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
+        self.optimizer = optimizer
         # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
         self._forward = self.module.training_step if self.wrapped is step_module else self.wrapped
 
@@ -123,19 +127,20 @@ class TorchEngine(Engine):
 
     def _optimizer_step(self) -> None:
         optimizer, step = self.optimizer, self._steps
-        if self.config.gradient_clip_val is not None:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clip_val)
-        if step < self.policy.warmup_steps:
-            ramp = self.policy.ramp(step)
-            scheduled = [group["lr"] for group in optimizer.param_groups]
-            for group, lr in zip(optimizer.param_groups, scheduled):
-                group["lr"] = lr * ramp
-            optimizer.step()
-            for group, lr in zip(optimizer.param_groups, scheduled):
-                group["lr"] = lr  # the user's scheduler keeps seeing its own values
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with self.strategy.synchronized_gradients(optimizer):  # clipping sees the averaged gradients
+            if self.config.gradient_clip_val is not None:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clip_val)
+            if step < self.policy.warmup_steps:
+                ramp = self.policy.ramp(step)
+                scheduled = [group["lr"] for group in optimizer.param_groups]
+                for group, lr in zip(optimizer.param_groups, scheduled):
+                    group["lr"] = lr * ramp
+                optimizer.step()
+                for group, lr in zip(optimizer.param_groups, scheduled):
+                    group["lr"] = lr  # the user's scheduler keeps seeing its own values
+            else:
+                optimizer.step()
+        optimizer.zero_grad()  # set_to_none (torch >= 2 default); wrappers like Horovod take no argument
         self._steps = step + 1
         if self.scheduler is not None and self.interval == "step":
             self.scheduler.step()

@@ -1,0 +1,169 @@
+"""strategy: horovod, started by horovodrun (or mpirun with an MPI-built Horovod).
+
+Does the steps the Horovod guides list by hand: hvd.init(), pin one device per process by local
+rank, scale the LR by the number of workers (unifit's LR policy, as for every strategy), average
+gradients (through the framework adapter), broadcast rank 0's initial state, and leave file
+writing to rank 0. A collective some rank never joins fails every rank after
+trainer.collective_timeout_s through Horovod's stall inspector instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from typing import Any, ContextManager, Iterator, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, PositiveFloat
+
+from unifit._imports import load_object
+from unifit.errors import DistributedError, MissingExtraError
+from unifit.strategies.base import Strategy
+
+log = logging.getLogger("unifit")
+
+# module framework -> its adapter (imported only when used)
+ADAPTERS = {
+    "torch": "unifit.strategies.horovod.torch_adapter:TorchHorovod",
+    "tensorflow": "unifit.strategies.horovod.tf_adapter:TFHorovod",
+}
+
+
+class HorovodOptions(BaseModel):
+    """trainer.strategy_options for horovod (Horovod's own tuning knobs)."""
+
+    model_config = ConfigDict(extra="forbid")
+    fusion_threshold_mb: PositiveFloat = 64.0  # HOROVOD_FUSION_THRESHOLD: tensors fused per allreduce
+    cycle_time_ms: PositiveFloat = 1.0  # HOROVOD_CYCLE_TIME: how often the coordinator batches ready tensors
+    compression: Literal["none", "fp16"] = "none"  # gradients sent as float16 halve the bytes on the wire
+
+
+class HorovodStrategy(Strategy):
+    name = "horovod"
+    Options = HorovodOptions
+
+    _started = False
+
+    def setup(self) -> None:
+        self.adapter = load_object(ADAPTERS[self.framework], field="trainer.strategy")(self)
+        self._configure_environment()
+        hvd = self.hvd = self.adapter.hvd
+        hvd.init()
+        self._started = True
+        self.env = dataclasses.replace(
+            self.env, rank=hvd.rank(), world_size=hvd.size(), local_rank=hvd.local_rank(),
+            local_world_size=hvd.local_size(), node_rank=hvd.cross_rank(), source="horovod")
+        if hvd.size() == 1 and not _launched():
+            log.warning("horovod: no launcher environment found (HOROVOD_RANK/OMPI_COMM_WORLD_RANK unset), running a "
+                        "world of size 1; start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>")
+        self.adapter.pin_device(self.local_rank, self.accelerator)
+
+    def _configure_environment(self) -> None:
+        """Horovod reads its settings from the environment at init; a user's own values win."""
+        timeout = max(1, round(self.collective_timeout_s))
+        settings = {
+            "HOROVOD_FUSION_THRESHOLD": str(int(self.options.fusion_threshold_mb * 1024 * 1024)),
+            "HOROVOD_CYCLE_TIME": f"{self.options.cycle_time_ms:g}",
+            # a rank missing from a collective: warn early, then shut Horovod down on every rank
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, min(60, timeout // 2))),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(timeout),
+            # gloo's own transport timeout after the stall inspector's, which names the missing ranks
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(2 * timeout),
+        }
+        for key, value in settings.items():
+            os.environ.setdefault(key, value)
+
+    def teardown(self) -> None:
+        if self._started:
+            self.hvd.shutdown()
+        self._started = False
+
+    # ---- gradient synchronisation: the adapter's --------------------------------------------
+    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
+        return self.adapter.prepare_optimizer(optimizer, model, accumulate)
+
+    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
+        return self.adapter.synchronized_gradients(optimizer)
+
+    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
+        return self.adapter.reduce_gradients(grads)
+
+    def broadcast_variables(self, variables: list[Any]) -> None:
+        with self.collective("broadcast of the initial variables"):
+            self.adapter.broadcast_variables(variables)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
+        return self._all_reduce(values, "sum")
+
+    def all_reduce_max(self, values: np.ndarray) -> np.ndarray:
+        return self._all_reduce(values, "max")
+
+    def _all_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        if self.world_size == 1:
+            return values
+        with self.collective(f"all_reduce {op}"):
+            return self.adapter.all_reduce(np.ascontiguousarray(values, dtype=np.float64), op, f"unifit.{op}")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        with self.collective("all_gather_object"):
+            return list(self.hvd.allgather_object(obj, name="unifit.all_gather_object"))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self.world_size == 1:
+            return obj
+        with self.collective("broadcast_object"):
+            return self.hvd.broadcast_object(obj, root_rank=src, name="unifit.broadcast_object")
+
+    def barrier(self, name: str) -> None:
+        """A named exchange: a rank elsewhere stalls it (then Horovod shuts down), a rank at another
+        barrier is named in the error."""
+        if self.world_size == 1:
+            return
+        try:
+            with self.collective(f"barrier '{name}'"):
+                names = list(self.hvd.allgather_object(name, name="unifit.barrier"))
+        except DistributedError as exc:
+            raise DistributedError(f"{exc}; every rank must call it (e.g. do not call save_checkpoint inside "
+                                   "'if rank == 0')") from exc
+        if len(set(names)) > 1:
+            raise DistributedError(f"barrier '{name}' on rank {self.rank}: ranks reached different barriers {names}; "
+                                   "every rank must call the same ones in the same order")
+
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Horovod shut down (a rank died or stalled past the timeout) ends this rank with one line."""
+        try:
+            yield
+        except self.adapter.errors as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(
+                f"{what} on rank {self.rank} failed: {first}; another rank failed, or did not join this collective "
+                f"within trainer.collective_timeout_s={self.collective_timeout_s:g}s; see its error") from exc
+
+
+def _launched() -> bool:
+    return any(key in os.environ for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+def import_horovod(part: str, flag: str) -> Any:
+    """horovod.torch / horovod.tensorflow, or an error that says exactly what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"horovod.{part}")
+    except ImportError as exc:
+        try:
+            import horovod  # noqa: F401
+        except ImportError:
+            raise MissingExtraError(
+                "strategy horovod needs Horovod, which is not installed; fix: bash scripts/build_horovod.sh "
+                "<your venv> (builds Horovod 0.28.1 for CPU/gloo with the fixes torch 2.x and TF 2.21 need), or on "
+                f"GPUs: HOROVOD_GPU_OPERATIONS=NCCL {flag}=1 pip install --no-cache-dir horovod") from exc
+        raise MissingExtraError(
+            f"strategy horovod: Horovod is installed without its {part} part ({exc}); fix: rebuild it with "
+            f"{flag}=1, e.g. bash scripts/build_horovod.sh <your venv>") from exc

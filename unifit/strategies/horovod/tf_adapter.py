@@ -1,0 +1,64 @@
+"""Horovod for Keras modules: a grouped allreduce of the gradients inside the compiled step, and
+a broadcast of each variable's value from rank 0.
+
+Horovod's own broadcast_variables, DistributedGradientTape and Keras callbacks expect Keras 2 and
+fail on Keras 3 variables, so only its tensor ops are used here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import numpy as np
+import tensorflow as tf
+
+from unifit.strategies.horovod.strategy import import_horovod
+
+if TYPE_CHECKING:
+    from unifit.strategies.horovod.strategy import HorovodStrategy
+
+
+class TFHorovod:
+    errors: tuple[type[BaseException], ...] = (tf.errors.OpError, RuntimeError)
+
+    def __init__(self, strategy: HorovodStrategy) -> None:
+        self.strategy = strategy
+        self.hvd = import_horovod("tensorflow", "HOROVOD_WITH_TENSORFLOW")
+
+    def pin_device(self, local_rank: int, accelerator: str) -> None:
+        gpus = tf.config.list_physical_devices("GPU") if accelerator in ("auto", "gpu") else []
+        if gpus:  # GPU path per Horovod's docs; verified on CPU only
+            tf.config.set_visible_devices(gpus[local_rank % len(gpus)], "GPU")
+            tf.config.experimental.set_memory_growth(gpus[local_rank % len(gpus)], True)
+
+    def all_reduce(self, values: np.ndarray, op: str, name: str) -> np.ndarray:
+        hvd = self.hvd
+        return hvd.allreduce(tf.constant(values), op=hvd.Sum if op == "sum" else hvd.Max, name=name).numpy()
+
+    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
+        """Averaged over processes in one fused operation (called inside the tf.function step)."""
+        if self.strategy.world_size == 1:
+            return grads
+        hvd = self.hvd
+        present = [i for i, g in enumerate(grads) if g is not None]
+        dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices (embeddings) become dense
+        compression = hvd.Compression.fp16 if self.strategy.options.compression == "fp16" else hvd.Compression.none
+        reduced = hvd.grouped_allreduce(dense, op=hvd.Average, compression=compression, name="unifit.gradients")
+        out = list(grads)
+        for i, g in zip(present, reduced):
+            out[i] = g
+        return out
+
+    def broadcast_variables(self, variables: list[Any]) -> None:
+        if self.strategy.world_size == 1:
+            return
+        for i, variable in enumerate(variables):
+            value = self.hvd.broadcast(tf.convert_to_tensor(variable), root_rank=0, name=f"unifit.variable.{i}")
+            variable.assign(value)
+
+    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
+        return optimizer  # Keras modules average gradients in reduce_gradients
+
+    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
+        return contextlib.nullcontext()

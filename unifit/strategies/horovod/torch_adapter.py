@@ -1,0 +1,59 @@
+"""Horovod for PyTorch modules: hvd.DistributedOptimizer and a broadcast of rank 0's parameters."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import torch
+
+from unifit.strategies.horovod.strategy import import_horovod
+
+if TYPE_CHECKING:
+    from unifit.strategies.horovod.strategy import HorovodStrategy
+
+
+class TorchHorovod:
+    errors: tuple[type[BaseException], ...] = (RuntimeError,)  # HorovodInternalError is a RuntimeError
+
+    def __init__(self, strategy: HorovodStrategy) -> None:
+        self.strategy = strategy
+        self.hvd = import_horovod("torch", "HOROVOD_WITH_PYTORCH")
+
+    def pin_device(self, local_rank: int, accelerator: str) -> None:
+        if accelerator in ("auto", "gpu") and torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)  # GPU path per Horovod's docs; verified on CPU only
+
+    def all_reduce(self, values: np.ndarray, op: str, name: str) -> np.ndarray:
+        hvd = self.hvd
+        return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum if op == "sum" else hvd.Max, name=name).numpy()
+
+    def prepare_optimizer(self, optimizer: Any, model: torch.nn.Module, accumulate: int) -> Any:
+        """Every rank starts from rank 0's parameters and buffers; step() averages the gradients,
+        every `accumulate` backward passes (Horovod's own accumulation)."""
+        hvd = self.strategy.hvd
+        if self.strategy.world_size == 1:
+            return optimizer
+        with self.strategy.collective("broadcast of the initial parameters"):
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        compression = hvd.Compression.fp16 if self.strategy.options.compression == "fp16" else hvd.Compression.none
+        return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
+                                        backward_passes_per_step=accumulate, compression=compression)
+
+    @contextlib.contextmanager
+    def synchronized_gradients(self, optimizer: Any) -> Iterator[None]:
+        """The averaged gradients are in place on entry, so clipping sees them; step() then skips its sync."""
+        if not hasattr(optimizer, "synchronize"):  # world size 1: not wrapped
+            yield
+            return
+        with self.strategy.collective("gradient allreduce"):
+            optimizer.synchronize()
+        with optimizer.skip_synchronize():
+            yield
+
+    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
+        return grads
+
+    def broadcast_variables(self, variables: list[Any]) -> None:
+        """TensorFlow variables only; torch modules get theirs in prepare_optimizer."""

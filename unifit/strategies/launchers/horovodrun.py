@@ -1,0 +1,51 @@
+"""Hand the launch to horovodrun; unifit starts no cluster of its own.
+
+`command()` is the equivalent horovodrun command line (gloo, no MPI needed); `launch()` runs
+that same argument list through horovodrun's own entry point in this process, so a failed rank
+ends in one summary line with its exit code. horovodrun starts the processes of every host from
+the first host (over ssh for remote hosts), so only node 0 launches.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from unifit.errors import ConfigError
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command
+
+
+class HorovodrunLauncher(Launcher):
+    def horovodrun_args(self, spec: LaunchSpec) -> list[str]:
+        hosts = spec.hosts or ["localhost"]
+        if spec.nnodes != len(hosts):
+            raise ConfigError(f"--nnodes {spec.nnodes}: horovodrun needs every host's name; give --hosts h1,h2,... "
+                              "(it starts all hosts' processes from the first one)")
+        if spec.node_rank != 0:
+            raise ConfigError(f"--node-rank {spec.node_rank}: horovodrun starts the processes of every host from the "
+                              f"first one ({hosts[0]}, over ssh); run 'unifit launch' there only")
+        n = spec.nproc_per_node
+        slots = ",".join(f"{host}:{n}" for host in hosts)
+        return ["-np", str(n * len(hosts)), "-H", slots, "--gloo", sys.executable, *fit_command(spec)]
+
+    def command(self, spec: LaunchSpec) -> list[str]:
+        return [sys.executable, "-m", "horovod.runner.launch", *self.horovodrun_args(spec)]
+
+    def launch(self, spec: LaunchSpec) -> int:
+        from unifit.strategies.horovod.strategy import import_horovod
+
+        import_horovod("runner.launch", "HOROVOD_WITH_PYTORCH")  # a missing Horovod says how to install it
+        from horovod.runner.launch import run_commandline
+
+        argv, sys.argv = sys.argv, ["horovodrun", *self.horovodrun_args(spec)]
+        try:
+            run_commandline()
+        except RuntimeError as exc:  # horovodrun stopped the other ranks after the first failure
+            found = re.search(r"Process name: (\S+)\s+Exit code: (-?\d+)", str(exc))
+            rank, code = (found.group(1), int(found.group(2))) if found else ("?", 1)
+            print(f"unifit: launch failed (rank {rank} exit {code}, the others stopped by horovodrun); "
+                  "the ranks' own errors are above", file=sys.stderr)
+            return code if code > 0 else 1
+        finally:
+            sys.argv = argv
+        return 0
