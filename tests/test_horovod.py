@@ -81,7 +81,7 @@ def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path):
                           "--trainer.callbacks", json.dumps([{"class_path": "tests.probe.probe.SaveOnRankZeroOnly"}]),
                           timeout=130)
     assert result.returncode == 1, result.stderr
-    assert "barrier 'save_checkpoint' on rank 0 failed" in result.stderr, result.stderr
+    assert "barrier 'save_checkpoint' on rank 0" in result.stderr, result.stderr  # it timed out or was shut down
     assert "do not call save_checkpoint inside 'if rank == 0'" in result.stderr
     assert not (tmp_path / "checkpoints").exists()
 

@@ -96,6 +96,11 @@ class Strategy(ABC):
     def broadcast_variables(self, variables: list[Any]) -> None:
         """Give every process rank 0's values of these TensorFlow variables (no-op by default)."""
 
+    def collective_guard(self, what: str) -> ContextManager[Any]:
+        """Around a step that waits on other ranks (a compiled step with an allreduce inside): a
+        strategy whose library can wait forever ends it after collective_timeout_s."""
+        return contextlib.nullcontext()
+
     # ---- collectives (no-ops at world size 1) ----------------------------------------
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
         return values

@@ -137,7 +137,8 @@ class KerasEngine(Engine):
             yield iterator  # train_step dequeues the batch inside its compiled step
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
-        means = self._train_fn(batch)
+        with self.strategy.collective_guard(f"training step {self._steps + 1}"):
+            means = self._train_fn(batch)
         self._steps += 1
         count = self.collector.batch_count
         for name, value in means.items():

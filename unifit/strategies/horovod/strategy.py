@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat
 from unifit._imports import load_object
 from unifit.errors import DistributedError, MissingExtraError
 from unifit.strategies.base import Strategy
+from unifit.strategies.watchdog import CollectiveWatchdog
 
 log = logging.getLogger("unifit")
 
@@ -45,6 +46,7 @@ class HorovodStrategy(Strategy):
     Options = HorovodOptions
 
     _started = False
+    watchdog: CollectiveWatchdog | None = None
 
     def setup(self) -> None:
         self.adapter = load_object(ADAPTERS[self.framework], field="trainer.strategy")(self)
@@ -59,6 +61,8 @@ class HorovodStrategy(Strategy):
             log.warning("horovod: no launcher environment found (HOROVOD_RANK/OMPI_COMM_WORLD_RANK unset), running a "
                         "world of size 1; start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>")
         self.adapter.pin_device(self.local_rank, self.accelerator)
+        prefix = f"unifit: error (rank {self.rank}): " if self.rank else "unifit: error: "
+        self.watchdog = CollectiveWatchdog(self.collective_timeout_s, prefix) if self.world_size > 1 else None
 
     def _configure_environment(self) -> None:
         """Horovod reads its settings from the environment at init; a user's own values win."""
@@ -66,17 +70,19 @@ class HorovodStrategy(Strategy):
         settings = {
             "HOROVOD_FUSION_THRESHOLD": str(int(self.options.fusion_threshold_mb * 1024 * 1024)),
             "HOROVOD_CYCLE_TIME": f"{self.options.cycle_time_ms:g}",
-            # a rank missing from a collective: warn early, then shut Horovod down on every rank
+            # a missing rank: Horovod's stall inspector warns, then shuts down (unifit's watchdog
+            # is what ends a stuck rank: the inspector never fired with gloo in our tests)
             "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, min(60, timeout // 2))),
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(timeout),
-            # gloo's own transport timeout after the stall inspector's, which names the missing ranks
-            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(2 * timeout),
+            "HOROVOD_GLOO_TIMEOUT_SECONDS": str(2 * timeout),  # transport, after the watchdog
         }
         for key, value in settings.items():
             os.environ.setdefault(key, value)
 
     def teardown(self) -> None:
         if self._started:
+            if self.watchdog is not None:
+                self.watchdog.close()
             self.hvd.shutdown()
         self._started = False
 
@@ -120,30 +126,30 @@ class HorovodStrategy(Strategy):
             return self.hvd.broadcast_object(obj, root_rank=src, name="unifit.broadcast_object")
 
     def barrier(self, name: str) -> None:
-        """A named exchange: a rank elsewhere stalls it (then Horovod shuts down), a rank at another
-        barrier is named in the error."""
+        """A named exchange: a rank that never arrives trips the watchdog, a rank at another barrier
+        is named in the error."""
         if self.world_size == 1:
             return
-        try:
-            with self.collective(f"barrier '{name}'"):
-                names = list(self.hvd.allgather_object(name, name="unifit.barrier"))
-        except DistributedError as exc:
-            raise DistributedError(f"{exc}; every rank must call it (e.g. do not call save_checkpoint inside "
-                                   "'if rank == 0')") from exc
+        with self.collective(f"barrier '{name}'"):
+            names = list(self.hvd.allgather_object(name, name="unifit.barrier"))
         if len(set(names)) > 1:
             raise DistributedError(f"barrier '{name}' on rank {self.rank}: ranks reached different barriers {names}; "
                                    "every rank must call the same ones in the same order")
 
+    def collective_guard(self, what: str) -> ContextManager[Any]:
+        return self.collective(what)
+
     @contextlib.contextmanager
     def collective(self, what: str) -> Iterator[None]:
-        """Horovod shut down (a rank died or stalled past the timeout) ends this rank with one line."""
-        try:
-            yield
-        except self.adapter.errors as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DistributedError(
-                f"{what} on rank {self.rank} failed: {first}; another rank failed, or did not join this collective "
-                f"within trainer.collective_timeout_s={self.collective_timeout_s:g}s; see its error") from exc
+        """A collective that never completes ends this rank after the timeout (the watchdog); one
+        that breaks because Horovod shut down (a rank died) ends it with one line."""
+        what = f"{what} on rank {self.rank}"
+        with self.watchdog.guard(what) if self.watchdog is not None else contextlib.nullcontext():
+            try:
+                yield
+            except self.adapter.errors as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DistributedError(f"{what} failed: {first}; another rank failed, see its error") from exc
 
 
 def _launched() -> bool:
