@@ -9,16 +9,20 @@ import pytest
 from tests.helpers import launch_probe
 
 
-@pytest.mark.timeout(120)
-def test_nan_on_one_rank_stops_all_ranks_and_keeps_last_good_checkpoint(tmp_path):
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["ddp", "horovod"])
+def test_nan_on_one_rank_stops_all_ranks_and_keeps_last_good_checkpoint(tmp_path, strategy):
     # 4 steps per epoch per rank; step 6 (2nd batch of epoch 2) is NaN on rank 1 only
-    result = launch_probe("ddp", tmp_path, "--module.init_args.nan_at_step", "6",
+    result = launch_probe(strategy, tmp_path, "--module.init_args.nan_at_step", "6",
                           "--module.init_args.nan_rank", "1", "--trainer.nan_guard.check_every_n_steps", "2",
-                          timeout=100)
+                          timeout=130)
     assert result.returncode == 1, result.stderr
     lines = [line for line in result.stderr.splitlines() if "non-finite loss at step 6 on rank 1" in line]
-    assert len(lines) == 2, result.stderr  # both ranks stopped at the same step, for the same reason
+    # both ranks stopped at the same step, for the same reason (horovodrun may stop the second one
+    # before it prints: it ends every rank once the first one exits)
+    assert len(lines) == 2 or (strategy == "horovod" and len(lines) == 1), result.stderr
     assert "last good checkpoint" in lines[0] and "epoch=0001-step=0000004" in lines[0]
+    assert "unifit: launch failed (rank" in result.stderr  # the launcher's one summary line
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert ckpts == ["epoch=0001-step=0000004", "last.json"]
     assert json.loads((tmp_path / "checkpoints" / "last.json").read_text())["epoch"] == 1
@@ -43,13 +47,15 @@ def test_metric_logged_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
     assert len(lines) == 2, result.stderr
 
 
-@pytest.mark.timeout(120)
-def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path):
-    result = launch_probe("ddp", tmp_path, "--trainer.checkpoint.enabled", "false",
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["ddp", "horovod"])
+def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path, strategy):
+    result = launch_probe(strategy, tmp_path, "--trainer.checkpoint.enabled", "false",
                           "--trainer.collective_timeout_s", "5",
                           "--trainer.callbacks", json.dumps([{"class_path": "tests.probe.probe.SaveOnRankZeroOnly"}]),
-                          timeout=100)
+                          timeout=130)
     assert result.returncode == 1, result.stderr
-    assert "barrier 'save_checkpoint' on rank 0 failed" in result.stderr
+    # ddp: gloo's monitored barrier times out; horovod: the watchdog, or the shutdown after rank 1's
+    assert "barrier 'save_checkpoint' on rank 0" in result.stderr, result.stderr
     assert "do not call save_checkpoint inside 'if rank == 0'" in result.stderr
     assert not (tmp_path / "checkpoints").exists()

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import PROBE_YAML, REPO, assert_ok, launch_probe, metrics_lines, reports, run_unifit, stop
+from tests.helpers import PROBE_YAML, REPO, assert_ok, metrics_lines, reports, run_unifit, stop
 from unifit.strategies.environment import from_horovodrun
 from unifit.strategies.launchers.base import LaunchSpec
 from unifit.strategies.launchers.horovodrun import HorovodrunLauncher
@@ -62,28 +62,7 @@ def test_without_a_launcher_runs_a_world_of_one_and_says_so_once(tmp_path):
     assert "world size 1" in result.stdout
 
 
-@pytest.mark.timeout(150)
-def test_a_failing_rank_ends_every_rank_with_its_exit_code(tmp_path):
-    # a user error (bad metric use) on every rank exits 2; NaN on rank 1 only stops all ranks with 1
-    result = launch_probe("horovod", tmp_path, "--module.init_args.nan_at_step", "6",
-                          "--module.init_args.nan_rank", "1", "--trainer.nan_guard.check_every_n_steps", "2",
-                          timeout=130)
-    assert result.returncode == 1, result.stderr
-    assert "non-finite loss at step 6 on rank 1" in result.stderr
-    assert "unifit: launch failed (rank" in result.stderr
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0001-step=0000004", "last.json"]
-
-
-@pytest.mark.timeout(150)
-def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path):
-    result = launch_probe("horovod", tmp_path, "--trainer.checkpoint.enabled", "false",
-                          "--trainer.collective_timeout_s", "5",
-                          "--trainer.callbacks", json.dumps([{"class_path": "tests.probe.probe.SaveOnRankZeroOnly"}]),
-                          timeout=130)
-    assert result.returncode == 1, result.stderr
-    assert "barrier 'save_checkpoint' on rank 0" in result.stderr, result.stderr  # it timed out or was shut down
-    assert "do not call save_checkpoint inside 'if rank == 0'" in result.stderr
-    assert not (tmp_path / "checkpoints").exists()
+# a NaN on one rank and save_checkpoint on one rank: test_distributed_failures.py, for ddp and horovod
 
 
 @pytest.mark.timeout(120)

@@ -95,6 +95,15 @@ def test_plain_launch_one_host_starts_torchrun_itself(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_plain_launch_one_host_with_horovod_starts_horovodrun(tmp_path):
+    base = tmp_path / "host"
+    out = _finish([_toolkit(base, ["localhost"], "localhost",
+                            {**FAST, "trainer.strategy": "horovod", "nproc-per-node": 2})])[0]
+    _check_trained(base, 2, out)
+    assert "strategy horovod" in out
+
+
+@pytest.mark.timeout(300)
 def test_plain_launch_two_simulated_hosts(tmp_path):
     hosts, port = ["127.0.0.1", "localhost"], str(_free_port())
     bases = [tmp_path / "h0", tmp_path / "h1"]
