@@ -36,8 +36,9 @@ class HorovodOptions(BaseModel):
     """trainer.strategy_options for horovod (Horovod's own tuning knobs)."""
 
     model_config = ConfigDict(extra="forbid")
-    fusion_threshold_mb: PositiveFloat = 64.0  # HOROVOD_FUSION_THRESHOLD: tensors fused per allreduce
-    cycle_time_ms: PositiveFloat = 1.0  # HOROVOD_CYCLE_TIME: how often the coordinator batches ready tensors
+    # None keeps Horovod's own default (and its autotuning, HOROVOD_AUTOTUNE=1)
+    fusion_threshold_mb: PositiveFloat | None = None  # HOROVOD_FUSION_THRESHOLD (128): tensors fused per allreduce
+    cycle_time_ms: PositiveFloat | None = None  # HOROVOD_CYCLE_TIME (1): how often ready tensors are batched
     compression: Literal["none", "fp16"] = "none"  # gradients sent as float16 halve the bytes on the wire
 
 
@@ -67,9 +68,11 @@ class HorovodStrategy(Strategy):
     def _configure_environment(self) -> None:
         """Horovod reads its settings from the environment at init; a user's own values win."""
         timeout = max(1, round(self.collective_timeout_s))
+        options = self.options
         settings = {
-            "HOROVOD_FUSION_THRESHOLD": str(int(self.options.fusion_threshold_mb * 1024 * 1024)),
-            "HOROVOD_CYCLE_TIME": f"{self.options.cycle_time_ms:g}",
+            **({"HOROVOD_FUSION_THRESHOLD": str(int(options.fusion_threshold_mb * 1024 * 1024))}
+               if options.fusion_threshold_mb else {}),
+            **({"HOROVOD_CYCLE_TIME": f"{options.cycle_time_ms:g}"} if options.cycle_time_ms else {}),
             # a missing rank: Horovod's stall inspector warns, then shuts down (unifit's watchdog
             # is what ends a stuck rank: the inspector never fired with gloo in our tests)
             "HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, min(60, timeout // 2))),
