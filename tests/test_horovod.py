@@ -114,3 +114,12 @@ def test_horovodrun_environment_reader():
     assert (found.rank, found.world_size, found.local_rank, found.local_world_size, found.node_rank) == (3, 4, 1, 2, 1)
     assert found.master_addr == "10.0.0.1" and found.source == "horovodrun"
     assert from_horovodrun({"RANK": "0", "WORLD_SIZE": "2"}) is None
+
+
+@pytest.mark.timeout(60)
+def test_unknown_strategy_option_is_a_one_line_error(tmp_path):
+    result = run_unifit("fit", "-c", str(PROBE_YAML), "--trainer.strategy", "horovod", "--trainer.root_dir",
+                        str(tmp_path), "--trainer.strategy_options", "{fusion_mb: 8}", timeout=50)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
+    assert len(errors) == 1 and "trainer.strategy_options.fusion_mb" in errors[0], result.stderr
