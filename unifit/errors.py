@@ -35,3 +35,14 @@ class NonFiniteLossError(UnifitError):
     """Training stopped on every rank because the loss became NaN or infinite."""
 
     exit_code = 1
+
+
+def error_prefix(rank: int) -> str:
+    """How a rank's one-line error starts: rank 0 speaks for the job, the others name themselves."""
+    return f"unifit: error (rank {rank}): " if rank else "unifit: error: "
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception from a library (gloo, Horovod), for a one-line error."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

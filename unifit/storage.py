@@ -13,7 +13,7 @@ from typing import Any
 
 import fsspec
 
-from unifit.errors import ConfigError
+from unifit.errors import ConfigError, first_line
 
 _SECRET = re.compile(r"(secret|password|token|key|credential)", re.IGNORECASE)
 _PROTOCOL_EXTRA = {"s3": "s3", "s3a": "s3"}
@@ -58,13 +58,8 @@ def check_writable(url: str, options: dict[str, Any] | None, field: str) -> None
         raise ConfigError(f"{field}: '{url}' cannot be written: the bucket does not exist; create it or fix the URL") from None
     except PermissionError as exc:
         raise ConfigError(
-            f"{field}: '{url}' cannot be written: access denied ({_first_line(exc)}); check the credentials "
+            f"{field}: '{url}' cannot be written: access denied ({first_line(exc)}); check the credentials "
             "(AWS_PROFILE, AWS_ACCESS_KEY_ID, trainer.storage_options) and the bucket policy") from None
     except Exception as exc:  # endpoint unreachable, bad endpoint_url, ...
-        raise ConfigError(f"{field}: '{url}' cannot be written: {type(exc).__name__}: {_first_line(exc)}; "
+        raise ConfigError(f"{field}: '{url}' cannot be written: {type(exc).__name__}: {first_line(exc)}; "
                           "check the endpoint and network") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

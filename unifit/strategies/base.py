@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from unifit.errors import ConfigError, DistributedError, UnifitError
+from unifit.errors import ConfigError, DistributedError, UnifitError, first_line
 from unifit.strategies.environment import ClusterEnvironment
 
 
@@ -185,6 +185,5 @@ class TorchDistributedStrategy(Strategy, ABC):
         try:
             yield
         except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DistributedError(f"{what} on rank {self.rank} failed: {first}; "
+            raise DistributedError(f"{what} on rank {self.rank} failed: {first_line(exc)}; "
                                    "another rank failed or stopped calling collectives, see its error") from exc

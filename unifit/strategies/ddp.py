@@ -12,7 +12,7 @@ from typing import Any, ContextManager, Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
-from unifit.errors import DistributedError
+from unifit.errors import DistributedError, first_line
 from unifit.frameworks.torch.device import torch_device
 from unifit.strategies.base import TorchDistributedStrategy
 
@@ -116,8 +116,7 @@ class DDPStrategy(TorchDistributedStrategy):
             # reports which ranks are missing instead of hanging
             dist.monitored_barrier(group=self._barrier_group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DistributedError(
-                f"barrier '{name}' on rank {self.rank} failed within {self.collective_timeout_s:g}s: {first}; "
+                f"barrier '{name}' on rank {self.rank} failed within {self.collective_timeout_s:g}s: {first_line(exc)}; "
                 "every rank must call it (e.g. do not call save_checkpoint inside 'if rank == 0')"
             ) from exc

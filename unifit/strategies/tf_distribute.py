@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
-from unifit.errors import ConfigError, DistributedError
+from unifit.errors import ConfigError, DistributedError, error_prefix
 from unifit.strategies.base import Strategy
 
 
@@ -154,7 +154,7 @@ class MWMSStrategy(TFDistributeStrategy):
             watchdog.wait()
 
     def _watchdog(self) -> subprocess.Popen:
-        message = (f"unifit: error (rank {self.rank}): mwms: not every worker connected within "
+        message = (f"{error_prefix(self.rank)}mwms: not every worker connected within "
                    f"{self.collective_timeout_s:g}s, a worker is gone or unreachable; check the worker addresses in "
                    f"TF_CONFIG ({os.environ.get('TF_CONFIG', '')}) and that every worker was started")
         code = ("import os, signal, sys, time\n"

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from unifit.errors import ConfigError, UnifitError
+from unifit.errors import ConfigError, UnifitError, error_prefix
 
 if TYPE_CHECKING:
     from unifit.strategies.environment import ClusterEnvironment
@@ -180,8 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("UNIFIT_DEBUG"):
             raise
         env = _launched_environment()
-        prefix = f"unifit: error (rank {env.rank}): " if env.rank else "unifit: error: "
-        sys.stderr.write(prefix + str(exc).replace("\n", " ") + "\n")  # one write: ranks share the terminal
+        sys.stderr.write(error_prefix(env.rank) + str(exc).replace("\n", " ") + "\n")  # one write: ranks share the terminal
         if env.source != "none":  # a launched rank: skip interpreter shutdown, where a torn-down gloo
             sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher
             sys.stderr.flush()

@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
 from unifit._imports import load_object
-from unifit.errors import DistributedError, MissingExtraError
+from unifit.errors import DistributedError, MissingExtraError, error_prefix, first_line
 from unifit.strategies.base import Strategy
 from unifit.strategies.watchdog import CollectiveWatchdog
 
@@ -30,6 +30,32 @@ ADAPTERS = {
     "torch": "unifit.strategies.horovod.torch_adapter:TorchHorovod",
     "tensorflow": "unifit.strategies.horovod.tf_adapter:TFHorovod",
 }
+
+
+class Adapter:
+    """What differs between Horovod's torch and TensorFlow halves; a hook an adapter leaves out is a no-op."""
+
+    hvd: Any
+    errors: tuple[type[BaseException], ...] = (RuntimeError,)  # what a broken collective raises
+
+    def __init__(self, strategy: HorovodStrategy) -> None:
+        self.strategy = strategy
+
+    def pin_device(self, local_rank: int, accelerator: str) -> None: ...
+
+    def all_reduce(self, values: np.ndarray, op: str, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
+        return optimizer
+
+    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
+        return grads
+
+    def broadcast_variables(self, variables: list[Any]) -> None: ...
 
 
 class HorovodOptions(BaseModel):
@@ -50,20 +76,21 @@ class HorovodStrategy(Strategy):
     watchdog: CollectiveWatchdog | None = None
 
     def setup(self) -> None:
-        self.adapter = load_object(ADAPTERS[self.framework], field="trainer.strategy")(self)
+        self.adapter: Adapter = load_object(ADAPTERS[self.framework], field="trainer.strategy")(self)
         self._configure_environment()
         hvd = self.hvd = self.adapter.hvd
         hvd.init()
         self._started = True
+        launched = self.env.source != "none"  # what the environment readers found before init
         self.env = dataclasses.replace(
             self.env, rank=hvd.rank(), world_size=hvd.size(), local_rank=hvd.local_rank(),
             local_world_size=hvd.local_size(), node_rank=hvd.cross_rank(), source="horovod")
-        if hvd.size() == 1 and not _launched():
+        if hvd.size() == 1 and not launched:
             log.warning("horovod: no launcher environment found (HOROVOD_RANK/OMPI_COMM_WORLD_RANK unset), running a "
                         "world of size 1; start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>")
         self.adapter.pin_device(self.local_rank, self.accelerator)
-        prefix = f"unifit: error (rank {self.rank}): " if self.rank else "unifit: error: "
-        self.watchdog = CollectiveWatchdog(self.collective_timeout_s, prefix) if self.world_size > 1 else None
+        self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank)) \
+            if self.world_size > 1 else None
 
     def _configure_environment(self) -> None:
         """Horovod reads its settings from the environment at init; a user's own values win."""
@@ -151,12 +178,7 @@ class HorovodStrategy(Strategy):
             try:
                 yield
             except self.adapter.errors as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise DistributedError(f"{what} failed: {first}; another rank failed, see its error") from exc
-
-
-def _launched() -> bool:
-    return any(key in os.environ for key in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+                raise DistributedError(f"{what} failed: {first_line(exc)}; another rank failed, see its error") from exc
 
 
 def import_horovod(part: str, flag: str) -> Any:

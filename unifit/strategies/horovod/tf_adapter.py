@@ -7,23 +7,22 @@ fail on Keras 3 variables, so only its tensor ops are used here.
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
 
-from unifit.strategies.horovod.strategy import import_horovod
+from unifit.strategies.horovod.strategy import Adapter, import_horovod
 
 if TYPE_CHECKING:
     from unifit.strategies.horovod.strategy import HorovodStrategy
 
 
-class TFHorovod:
-    errors: tuple[type[BaseException], ...] = (tf.errors.OpError, RuntimeError)
+class TFHorovod(Adapter):
+    errors = (tf.errors.OpError, RuntimeError)
 
     def __init__(self, strategy: HorovodStrategy) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.hvd = import_horovod("tensorflow", "HOROVOD_WITH_TENSORFLOW")
 
     def pin_device(self, local_rank: int, accelerator: str) -> None:
@@ -56,9 +55,3 @@ class TFHorovod:
         for i, variable in enumerate(variables):
             value = self.hvd.broadcast(tf.convert_to_tensor(variable), root_rank=0, name=f"unifit.variable.{i}")
             variable.assign(value)
-
-    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
-        return optimizer  # Keras modules average gradients in reduce_gradients
-
-    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
-        return contextlib.nullcontext()

@@ -8,17 +8,17 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from unifit.strategies.horovod.strategy import import_horovod
+from unifit.strategies.horovod.strategy import Adapter, import_horovod
 
 if TYPE_CHECKING:
     from unifit.strategies.horovod.strategy import HorovodStrategy
 
 
-class TorchHorovod:
-    errors: tuple[type[BaseException], ...] = (RuntimeError,)  # HorovodInternalError is a RuntimeError
+class TorchHorovod(Adapter):
+    errors = (RuntimeError,)  # HorovodInternalError is a RuntimeError
 
     def __init__(self, strategy: HorovodStrategy) -> None:
-        self.strategy = strategy
+        super().__init__(strategy)
         self.hvd = import_horovod("torch", "HOROVOD_WITH_PYTORCH")
 
     def pin_device(self, local_rank: int, accelerator: str) -> None:
@@ -44,16 +44,10 @@ class TorchHorovod:
     @contextlib.contextmanager
     def synchronized_gradients(self, optimizer: Any) -> Iterator[None]:
         """The averaged gradients are in place on entry, so clipping sees them; step() then skips its sync."""
-        if not hasattr(optimizer, "synchronize"):  # world size 1: not wrapped
+        if self.strategy.world_size == 1:  # not wrapped (prepare_optimizer)
             yield
             return
         with self.strategy.collective("gradient allreduce"):
             optimizer.synchronize()
         with optimizer.skip_synchronize():
             yield
-
-    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
-        return grads
-
-    def broadcast_variables(self, variables: list[Any]) -> None:
-        """TensorFlow variables only; torch modules get theirs in prepare_optimizer."""
