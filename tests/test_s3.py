@@ -75,6 +75,9 @@ def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket,
     proc = start_unifit(*probe_args(
         "single", tmp_path / "run", "--trainer.max_epochs", "30", "--trainer.tensorboard.sync_to", tb_url,
         "--trainer.tensorboard.sync_every_s", "0.3",
+        # botocore without its own retries (a user setting too; s3fs still retries), so a sync pass gives up soon
+        "--trainer.storage_options", json.dumps({"config_kwargs": {
+            "retries": {"max_attempts": 1}, "connect_timeout": 2}}),
         callbacks=[{"class_path": "tests.probe.probe.SlowEpochs", "init_args": {"seconds": 0.4}}]),
         env=s3_endpoint.env)
     try:
@@ -82,12 +85,24 @@ def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket,
         while not _exists(fs, f"{bucket}/outage/tb"):
             assert time.time() < deadline and proc.poll() is None, "nothing was synced"
             time.sleep(0.2)
-        s3_endpoint.stop()  # S3 goes away mid-run, longer than s3fs's own retries last ...
-        time.sleep(12)
+        err_lines, _ = _collect_lines(proc.stderr), _collect_lines(proc.stdout)
+        s3_endpoint.stop()  # S3 goes away mid-run, until the sync has given up once and reported it ...
+        deadline = time.time() + 60
+        while not any("failing" in line for line in err_lines):
+            assert time.time() < deadline, "the outage was never reported:\n" + "".join(err_lines)
+            time.sleep(0.5)
+        time.sleep(2)
         assert proc.poll() is None, "training stopped when S3 went away"
         s3_endpoint.start()  # ... and comes back
-        out, err = stop(proc, timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("training did not finish after S3 came back:\n" + "".join(err_lines)) from None
+        time.sleep(0.5)  # the reader threads take the last lines
+        err = "".join(err_lines)
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         if s3_endpoint.server is None:
             s3_endpoint.start()
     assert proc.returncode == 0, err
@@ -97,6 +112,20 @@ def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket,
     scalars = _tb_scalars(fs, tb_url, tmp_path / "tb")
     assert [step for step, _ in scalars["train/loss"]] == [line["step"] for line in lines]
     assert len(lines) == 30
+
+
+def _collect_lines(stream) -> list[str]:
+    """A live copy of a process's output, read by a thread (the list fills as lines arrive)."""
+    import threading
+
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in iter(stream.readline, ""):
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
 
 
 def _exists(fs, path: str) -> bool:
