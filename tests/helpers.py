@@ -57,7 +57,8 @@ def launch_probe(strategy: str, root: Path | str, *overrides: str, ckpt: str | N
 
 def start_unifit(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -m unifit ARGS` in the background (own session; see stop())."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "unifit", *args], cwd=REPO, env=full_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 

@@ -8,7 +8,10 @@ Secrets in them are never written to logs, the saved config or error messages (`
 from __future__ import annotations
 
 import re
+import os
+import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -44,10 +47,34 @@ def filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
         raise ConfigError(f"'{url}': {exc}; use a local path or a URL like s3://bucket/prefix") from None
 
 
+def _check_local_dir(path: str, field: str) -> None:
+    """Create the directory and a file in it, then remove what the check created (a failed run
+    leaves nothing behind)."""
+    created, probe = [], Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        created.append(probe)
+        probe = probe.parent
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".unifit-write-check-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{field}: '{path}' cannot be created or written: {exc.strerror or first_line(exc)}"
+                          f"{f' ({exc.filename})' if exc.filename else ''}; choose a writable directory") from None
+    finally:
+        for directory in created:  # deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+
+
 def check_writable(url: str, options: dict[str, Any] | None, field: str) -> None:
     """Write and delete a tiny object under `url`, so a missing bucket or bad credentials
-    stop the run before training, with the URL and what to fix."""
+    stop the run before training, with the URL and what to fix. A local directory is created
+    (a path under a read-only or virtual file system fails here, in one line)."""
     if not is_remote(url):
+        _check_local_dir(url, field)
         return
     fs, path = filesystem(url, options)
     probe = f"{path.rstrip('/')}/.unifit-write-check-{uuid.uuid4().hex[:8]}"

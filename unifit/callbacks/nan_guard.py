@@ -15,18 +15,34 @@ from unifit.trainer.config import NanGuardConfig
 class NanGuard(Callback):
     """Checks the step loss every N steps (all ranks agree through one tiny all-reduce) and
     the epoch's averaged metrics at epoch end (already identical on every rank). It raises on
-    every rank at the same point, so the checkpoint callback never saves poisoned weights."""
+    every rank at the same point, so the checkpoint callback never saves poisoned weights.
+
+    A step's check is started without waiting for the device (on GPUs the flag is copied in the
+    background) and counted at the first agreement after it is known, so the guard never stalls
+    the GPU; on CPU that is the same step. Every rank joins every agreement, known or not."""
 
     def __init__(self, config: NanGuardConfig) -> None:
         self.every = config.check_every_n_steps
+        self._pending: list[tuple[int, Any]] = []
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         if (batch_idx + 1) % self.every:
             return
-        bad = 0.0 if ctx.is_finite(loss) else float(ctx.rank + 1)
-        flagged = ctx.all_reduce_max(np.array([bad]))[0]
-        if flagged:
-            self._stop(ctx, f"non-finite loss at step {ctx.state.global_step} on rank {int(flagged) - 1}")
+        self._pending.append((ctx.state.global_step, ctx.finite_probe(loss)))
+        bad_step, waiting = 0, []
+        for step, probe in self._pending:
+            finite = probe()
+            if finite is None:
+                waiting.append((step, probe))
+            elif not finite and not bad_step:
+                bad_step = step
+        self._pending = waiting
+        flagged = ctx.all_reduce_max(np.array([float(ctx.rank + 1) if bad_step else 0.0, float(bad_step)]))
+        if flagged[0]:
+            self._stop(ctx, f"non-finite loss at step {int(flagged[1])} on rank {int(flagged[0]) - 1}")
+
+    def on_train_epoch_start(self, ctx: Any) -> None:
+        self._pending = []  # the epoch-end check has covered the last epoch's steps
 
     def on_train_epoch_end(self, ctx: Any) -> None:
         bad = sorted(k for k, v in ctx.state.metrics.items() if not math.isfinite(v))

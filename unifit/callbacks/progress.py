@@ -20,7 +20,7 @@ class EpochSummary(Callback):
     def on_setup(self, ctx: Any) -> None:
         cfg = ctx.config
         print(f"unifit: strategy {cfg.strategy}, world size {ctx.world_size}, "
-              f"global batch {cfg.batch_size * ctx.world_size * cfg.accumulate_grad_batches}, "
+              f"global batch {ctx.global_batch}, "
               f"{ctx.batches_per_epoch} batches/epoch per rank", flush=True)
 
     def on_epoch_end(self, ctx: Any) -> None:

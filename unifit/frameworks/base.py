@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Callable, Any, Iterable
 
 import numpy as np
 
@@ -22,6 +22,12 @@ class Engine(ABC):
         self.config = config
         self.collector = MetricCollector(self.to_numpy)
         module._unifit_collector = self.collector
+        self.replicas = strategy.world_size  # model replicas over all processes; engines with several per process set it
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all replicas: the one number LR scaling and logs use."""
+        return self.config.batch_size * self.replicas * self.config.accumulate_grad_batches
 
     def _rank_data(self, data: Any) -> tuple[Any, bool]:
         """(data, already sharded): data split by file (unifit.data.FileShards) is loaded for this rank only."""
@@ -64,6 +70,9 @@ class Engine(ABC):
     def end_of_epoch(self) -> None:
         """Epoch-interval scheduler steps and the like."""
 
+    def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
+        """The epoch's reduced metrics (after validation, if it ran): for metric-driven schedules."""
+
     @abstractmethod
     def current_lrs(self) -> list[float]:
         """Learning rates (per param group) the next optimizer step uses, warmup included."""
@@ -74,6 +83,12 @@ class Engine(ABC):
 
     @abstractmethod
     def is_finite(self, value: Any) -> bool: ...
+
+    def finite_probe(self, value: Any) -> Callable[[], bool | None]:
+        """Start checking `value` for NaN/inf; the returned function gives the answer, or None
+        while the device has not computed it yet (so the check never stalls the device queue)."""
+        finite = self.is_finite(value)
+        return lambda: finite
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -134,7 +134,14 @@ class Strategy(ABC):
 
 
 class TorchDistributedStrategy(Strategy, ABC):
-    """Collectives through torch.distributed, shared by ddp and the strategies built on it."""
+    """Collectives through torch.distributed, shared by ddp and the strategies built on it.
+
+    unifit's own collectives carry host values (metric sums, flags, pickled objects). Where the
+    training backend is not gloo (NCCL), they run on a gloo side group when the backend allows
+    one, so they never wait for the GPU's queue; otherwise on CUDA tensors of the pinned device.
+    """
+
+    _host_group: Any = None  # set by setup where the backend is not gloo and side groups are allowed
 
     @abstractmethod
     def _group_ready(self) -> bool:
@@ -156,10 +163,17 @@ class TorchDistributedStrategy(Strategy, ABC):
         if not self._group_ready():
             return values
         torch, dist = self._torch()
-        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64)).to(self._collective_device())
         with self._collective(f"all_reduce {op.lower()}"):
-            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
-        return tensor.numpy()
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=self._host_group)
+        return tensor.cpu().numpy()
+
+    def _collective_device(self) -> Any:
+        """gloo takes CPU tensors; NCCL (and smddp) only CUDA tensors of this process's device."""
+        torch, dist = self._torch()
+        if self._host_group is not None or dist.get_backend() == "gloo":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self._group_ready():
@@ -167,7 +181,7 @@ class TorchDistributedStrategy(Strategy, ABC):
         _, dist = self._torch()
         out: list[Any] = [None] * self.world_size
         with self._collective("all_gather_object"):
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self._host_group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -176,7 +190,7 @@ class TorchDistributedStrategy(Strategy, ABC):
         _, dist = self._torch()
         box = [obj]
         with self._collective("broadcast_object"):
-            dist.broadcast_object_list(box, src=src)
+            dist.broadcast_object_list(box, src=src, group=self._host_group)
         return box[0]
 
     @contextlib.contextmanager

@@ -35,16 +35,17 @@ class DDPStrategy(TorchDistributedStrategy):
     Options = DDPOptions
 
     _owns_group = False
+    _barrier_group: Any = None
 
     def _group_ready(self) -> bool:
         import torch.distributed as dist
 
-        return self.world_size > 1 and dist.is_initialized()
+        return dist.is_initialized()
 
     def setup(self) -> None:
         import torch.distributed as dist
 
-        if self.world_size == 1:
+        if self.env.source == "none":
             log.warning(
                 "%s: no launcher environment found (RANK/WORLD_SIZE unset), running a world of size 1; "
                 "start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>", self.name)
@@ -59,8 +60,15 @@ class DDPStrategy(TorchDistributedStrategy):
                 **self._init_kwargs(),
             )
             self._owns_group = True
-        # barriers get their own gloo group, so they never pair up with another rank's training collectives
-        self._barrier_group = dist.new_group(backend="gloo")
+        # barriers get their own gloo group, so they never pair up with another rank's training collectives;
+        # a backend that allows no second group (smddp) uses its own barrier
+        side_groups = self._allows_side_groups(dist.get_backend())
+        self._barrier_group = dist.new_group(backend="gloo") if side_groups else None
+        if side_groups and dist.get_backend() != "gloo":
+            self._host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))
+
+    def _allows_side_groups(self, backend: str) -> bool:
+        return backend != "smddp"
 
     def _backend_name(self, device: Any) -> str:
         if self.options.backend != "auto":
@@ -80,6 +88,7 @@ class DDPStrategy(TorchDistributedStrategy):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        self._barrier_group = self._host_group = None
 
     def prepare_model(self, model: Any, device: Any) -> Any:
         if not self._group_ready():
@@ -113,8 +122,10 @@ class DDPStrategy(TorchDistributedStrategy):
 
         timeout = datetime.timedelta(seconds=self.collective_timeout_s)
         try:
-            # reports which ranks are missing instead of hanging
-            dist.monitored_barrier(group=self._barrier_group, timeout=timeout, wait_all_ranks=True)
+            if self._barrier_group is None:
+                dist.barrier()  # ends after the group's timeout; cannot name the missing ranks
+            else:  # reports which ranks are missing instead of hanging
+                dist.monitored_barrier(group=self._barrier_group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as exc:
             raise DistributedError(
                 f"barrier '{name}' on rank {self.rank} failed within {self.collective_timeout_s:g}s: {first_line(exc)}; "

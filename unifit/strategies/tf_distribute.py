@@ -3,30 +3,53 @@
 The Keras engine builds the model inside `tf_strategy.scope()` and runs its compiled step with
 `tf_strategy.run`. unifit's own collectives (metric sums, barriers, object exchange) go through
 the same strategy's cross-replica ops, so no second communication library is needed.
+
+Across worker processes (mwms) a collective that never completes is ended by unifit's one
+watchdog thread, not by TensorFlow's `CommunicationOptions(timeout_seconds=...)`: TensorFlow
+starts a new thread per collective op that sleeps for the whole timeout, so every training step
+(several collectives) left about 4.5 threads behind for collective_timeout_s, thousands in all,
+until pthread_create failed. A worker that dies is still noticed by TensorFlow's coordination
+service, whose error aborts the collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import subprocess
 import sys
 from abc import abstractmethod
-from typing import Any
+from typing import Any, ContextManager
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
-from unifit.errors import ConfigError, DistributedError, error_prefix
+from unifit.errors import ConfigError, DistributedError, error_prefix, first_line
 from unifit.strategies.base import Strategy
+from unifit.strategies.watchdog import CollectiveWatchdog
 
 
 class TFDistributeStrategy(Strategy):
     tf_strategy: Any = None
+    watchdog: CollectiveWatchdog | None = None
 
     def setup(self) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self.tf_strategy = self._make()
+        if self.world_size > 1:
+            self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank))
+
+    def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
+
+    def collective_guard(self, what: str) -> ContextManager[Any]:
+        """Ends this worker with one line if `what` waits on the others longer than collective_timeout_s."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.guard(f"{what} on rank {self.rank}")
 
     @abstractmethod
     def _make(self) -> Any:
@@ -42,18 +65,19 @@ class TFDistributeStrategy(Strategy):
         local_replicas = max(1, len(strategy.extended.worker_devices))
         x = np.asarray(values, dtype=np.float64)
         try:
-            if op == "SUM":  # each local replica holds x / local replicas, so the sum counts it once
-                per_replica = strategy.experimental_distribute_values_from_function(
-                    lambda ctx: tf.constant(x / local_replicas))
-                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
-            gather = self.__dict__.setdefault("_gather_fn", tf.function(lambda v: strategy.run(
-                lambda y: tf.distribute.get_replica_context().all_gather(y[tf.newaxis], axis=0), args=(v,))))
-            result = gather(strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(x)))
+            with self.collective_guard(f"all_reduce {op.lower()}"):
+                if op == "SUM":  # each local replica holds x / local replicas, so the sum counts it once
+                    per_replica = strategy.experimental_distribute_values_from_function(
+                        lambda ctx: tf.constant(x / local_replicas))
+                    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
+                gather = self.__dict__.setdefault("_gather_fn", tf.function(lambda v: strategy.run(
+                    lambda y: tf.distribute.get_replica_context().all_gather(y[tf.newaxis], axis=0), args=(v,))))
+                result = gather(strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(x)))
+                return strategy.experimental_local_results(result)[0].numpy().max(axis=0)
         except tf.errors.OpError as exc:
-            raise DistributedError(f"{self.name}: a collective across workers failed within "
-                                   f"{self.collective_timeout_s:g}s ({type(exc).__name__}); a worker is gone or "
-                                   "unreachable: check the worker addresses (TF_CONFIG)") from None
-        return strategy.experimental_local_results(result)[0].numpy().max(axis=0)
+            raise DistributedError(f"{self.name}: a collective across workers failed ({type(exc).__name__}: "
+                                   f"{first_line(exc)}); a worker is gone or unreachable: check the worker "
+                                   "addresses (TF_CONFIG)") from None
 
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
         return self._all_reduce(values, "SUM")
@@ -81,7 +105,8 @@ class TFDistributeStrategy(Strategy):
 
     def barrier(self, name: str) -> None:
         try:
-            self.all_reduce_sum(np.zeros(1))
+            with self.collective_guard(f"barrier '{name}'"):  # the outermost guard names the wait
+                self.all_reduce_sum(np.zeros(1))
         except DistributedError as exc:
             raise DistributedError(f"barrier '{name}' on rank {self.rank}: {exc}") from None
 
@@ -143,7 +168,8 @@ class MWMSStrategy(TFDistributeStrategy):
             logging.getLogger("unifit").warning(
                 "mwms: TF_CONFIG is not set, running a single worker; start N workers with: "
                 "unifit launch --nproc-per-node N -c <experiment.yaml>")
-        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=self.collective_timeout_s)
+        # no timeout_seconds: TensorFlow would start a sleeping thread per collective (see the module docstring)
+        options = tf.distribute.experimental.CommunicationOptions()
         # TensorFlow waits without a limit (holding the GIL) for every worker to connect: a watchdog
         # process ends this one with a clear message if that takes longer than collective_timeout_s
         watchdog = self._watchdog()

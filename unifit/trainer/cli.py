@@ -162,11 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(resolved_yaml(load_experiment(args.config, overrides)), end="")
             return 0
         if args.command == "tensorboard":
-            import yaml
-
             from unifit.tensorboard_view import serve
+            from unifit.trainer.loading import parse_yaml
 
-            options = yaml.safe_load(args.storage_options) or {}
+            options = parse_yaml(args.storage_options) or {}
             if extra or not isinstance(options, dict):
                 raise ConfigError(f"unifit tensorboard: unexpected arguments {extra or args.storage_options!r}; "
                                   "usage: unifit tensorboard URL [--port N] [--storage-options '{...}']")

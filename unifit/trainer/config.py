@@ -74,6 +74,7 @@ class TrainerConfig(_Strict):
     lr_scaling: Literal["linear", "sqrt", "none"] = Field("linear", description="Multiply the base lr by global/base batch (linear), its square root (sqrt), or not at all.")
     warmup_epochs: NonNegativeFloat = Field(0.0, description="Ramp the lr linearly from base to scaled over this many epochs (per optimizer step).")
     warmup_steps: NonNegativeInt | None = Field(None, description="The same in optimizer steps; do not combine with warmup_epochs.")
+    precision: Literal["32-true", "bf16-mixed", "16-mixed"] = Field("32-true", description="Numerics of the step (Lightning's names): 32-true, bf16-mixed (autocast to bfloat16), 16-mixed (autocast to float16 with loss scaling). PyTorch modules only for now.")
     accumulate_grad_batches: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
     gradient_clip_val: PositiveFloat | None = Field(None, description="Clip the global gradient norm to this value before each optimizer step.")
     seed: int = Field(0, description="Seeds model init (same on every rank), data order, and per-rank randomness (seed + rank).")

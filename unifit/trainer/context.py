@@ -17,8 +17,9 @@ class FitContext:
     rank: int
     world_size: int
     batches_per_epoch: int
+    global_batch: int  # samples per optimizer step over every replica of every process
     # framework-neutral abilities the Trainer hands over
-    is_finite: Callable[[Any], bool]
+    finite_probe: Callable[[Any], Callable[[], bool | None]]
     current_lrs: Callable[[], list[float]]
     all_reduce_max: Callable[[Any], Any]
     save_checkpoint: Callable[..., str | None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,34 @@ from unifit.errors import ConfigError
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string; YAML 1.2 and every user read it
+    as a float. This loader resolves scientific notation with or without a dot as float."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text to Python values, with YAML 1.2 floats (`1e-4` is a float)."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506  a SafeLoader subclass
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Safely load a YAML mapping; errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file with -c")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -35,7 +57,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
     """Set `a.b.c=value` pairs into nested `data`; values are parsed as YAML ('3' -> 3, 'null' -> None)."""
     for dotted, raw in overrides.items():
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = parse_yaml(raw) if raw != "" else ""
         node = data
         keys = dotted.split(".")
         for key in keys[:-1]:

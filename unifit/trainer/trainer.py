@@ -70,7 +70,7 @@ class Trainer:
                              "committer": Committer(background=is_remote(cfg.checkpoint_dir))}
             ctx = FitContext(
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
-                batches_per_epoch=engine.batches_per_epoch, is_finite=engine.is_finite,
+                batches_per_epoch=engine.batches_per_epoch, global_batch=engine.global_batch, finite_probe=engine.finite_probe,
                 current_lrs=engine.current_lrs, all_reduce_max=strategy.all_reduce_max,
                 save_checkpoint=self.save_checkpoint, model_files=engine.model_files,
                 extra={"resolved_config": self._resolved_config(module), "store": store})
@@ -163,17 +163,19 @@ class Trainer:
             elapsed = float(strategy.all_reduce_max(np.array([time.perf_counter() - started]))[0])
             samples = engine.collector.last_total("train/loss")
             metrics["throughput/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
-            for i, lr in enumerate(engine.current_lrs()):
-                metrics["lr" if i == 0 else f"lr/group{i}"] = lr
+            metrics.update(_lr_metrics(engine))
             state.metrics = metrics
             dispatch(Event.TRAIN_EPOCH_END)
             last = epoch + 1 == cfg.max_epochs or state.should_stop
-            if engine.has_validation and ((epoch + 1) % cfg.validate_every_n_epochs == 0 or last):
+            validate = engine.has_validation and ((epoch + 1) % cfg.validate_every_n_epochs == 0 or last)
+            if validate:
                 dispatch(Event.VALIDATION_START)
                 for batch_idx, batch in enumerate(engine.val_batches()):
                     engine.validation_step(batch, batch_idx)
                 state.metrics.update(engine.collector.reduce(strategy))
                 dispatch(Event.VALIDATION_END)
+            engine.epoch_metrics(state.metrics, validate)
+            state.metrics.update(_lr_metrics(engine))  # a metric-driven schedule may have changed them
             state.epoch = epoch + 1
             dispatch(Event.EPOCH_END)
             if state.should_stop:
@@ -230,6 +232,8 @@ class Trainer:
         locations = {"trainer.root_dir": cfg.root_dir}
         if cfg.checkpoint.enabled:
             locations["trainer.checkpoint.dir"] = cfg.checkpoint_dir
+        if cfg.tensorboard.enabled and cfg.tensorboard_dir:
+            locations["trainer.tensorboard.log_dir"] = cfg.tensorboard_dir
         if cfg.tensorboard.enabled and cfg.tensorboard_sync_to:
             locations["trainer.tensorboard.sync_to"] = cfg.tensorboard_sync_to
         for field, url in locations.items():
@@ -241,6 +245,11 @@ class Trainer:
         cls = type(module)
         return resolved_yaml(ExperimentConfig(
             module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=self.config))
+
+
+def _lr_metrics(engine: Any) -> dict[str, float]:
+    """The learning rates the next optimizer step uses, one per param group."""
+    return {"lr" if i == 0 else f"lr/group{i}": lr for i, lr in enumerate(engine.current_lrs())}
 
 
 def _write_files(fs: Any, directory: str, files: dict[str, bytes]) -> None:

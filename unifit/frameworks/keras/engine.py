@@ -4,11 +4,15 @@ Data: arrays are shuffled with seed + epoch (the same permutation everywhere), e
 its own slice (rank::world, trimmed to equal length so every worker runs the same number of
 steps, as MWMS needs) and serves it through distribute_datasets_from_function in per-replica
 batches (no TensorFlow auto-sharding or rebatching on top). Validation shards are disjoint and
-not trimmed; MWMS hands empty batches to a worker whose shard ended first, so nobody hangs.
+not trimmed. No replica ever gets an empty batch (some kernels fail on one, e.g. oneDNN's conv):
+the last steps are split so that every replica gets at least one sample (see `step_sizes`), and
+under MWMS every worker validates in the same number of steps, so none runs out before the others.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import os
@@ -49,18 +53,26 @@ class KerasEngine(Engine):
         self.per_worker = n if presharded else n // strategy.world_size
         if presharded:
             self.per_worker = -int(strategy.all_reduce_max(np.array([-n]))[0])
-        full, rest = divmod(self.per_worker, self.local_batch)
-        self._batches = full + (1 if rest and not cfg.drop_last else 0)
-        if cfg.limit_train_batches:
-            self._batches = min(self._batches, cfg.limit_train_batches)
-        if self._batches == 0:
+        if self.per_worker < self.local_replicas:
+            raise ConfigError(f"train_dataset(): {self.per_worker} samples per worker cannot give each of its "
+                              f"{self.local_replicas} replicas one; give more samples or use fewer devices")
+        used = self.per_worker - (self.per_worker % self.local_batch if cfg.drop_last else 0)
+        if used == 0:
             raise ConfigError(f"trainer.batch_size: {cfg.batch_size} x {self.local_replicas} local replicas leaves no "
                               f"training batch ({self.per_worker} samples per worker); lower batch_size")
+        self._train_sizes = step_sizes(used, self._steps_for([used]), self.local_batch, self.local_replicas)
+        self._batches = len(self._train_sizes)
+        if cfg.limit_train_batches:
+            self._batches = min(self._batches, cfg.limit_train_batches)
         val, val_presharded = self._rank_data(self.data.val_dataset())
         self.val_arrays = _arrays(val, "val_dataset()") if val is not None and cfg.limit_val_batches != 0 else None
         self.val_presharded = val_presharded
+        if self.val_arrays is not None:
+            self._val_indices = self._val_shard()
+            self._val_sizes = self._val_plan(len(self._val_indices))
 
-        with self.dist.scope():
+        # MWMS broadcasts each variable's initial value from the chief as it is created
+        with self.strategy.collective_guard("creating the model"), self.dist.scope():
             self.module.model = model = self.module.build_model()
             optimizer = self.module.configure_optimizers()
             self.policy = LRPolicy.from_config(cfg, self.replicas, self._batches)
@@ -108,36 +120,59 @@ class KerasEngine(Engine):
         return step
 
     # ---- data -------------------------------------------------------------------------------
-    def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, drop_remainder: bool) -> Any:
-        """This worker's samples in per-replica batches; each local replica dequeues one per step.
+    def _steps_for(self, counts: list[int]) -> int:
+        """Steps that every worker takes for its `counts` samples: enough for the largest at full
+        batches, but never more than the smallest can fill with one sample per replica."""
+        full = -(-max(counts) // self.local_batch)
+        return min(full, min(counts) // self.local_replicas)
+
+    def _val_shard(self) -> np.ndarray:
+        n = len(self.val_arrays[0])
+        return np.arange(n) if self.val_presharded else np.arange(self.strategy.rank, n, self.strategy.world_size)
+
+    def _val_plan(self, count: int) -> list[int]:
+        """Samples per validation step. Under MWMS workers must take the same number of steps (a
+        worker whose data ran out would be handed empty batches), so every worker's count decides."""
+        spans_workers = self.dist.num_replicas_in_sync > self.local_replicas
+        counts = [int(c) for c in self.strategy.all_gather_object(count)] if spans_workers else [count]
+        if min(counts) < self.local_replicas:
+            raise ConfigError(f"val_dataset(): a worker gets {min(counts)} validation samples, fewer than its "
+                              f"{self.local_replicas} replicas; give at least one sample per replica "
+                              f"({self.replicas} in all) or use fewer devices")
+        return step_sizes(count, self._steps_for(counts), self.local_batch, self.local_replicas)
+
+    def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, sizes: list[int]) -> Any:
+        """This worker's samples in per-replica batches, as `sizes` (per step) splits them; each
+        local replica dequeues one per step (round robin) and gets max(1, size // replicas) or more.
 
         distribute_datasets_from_function does no auto-sharding and no rebatching: unifit has
         already given this worker its own part, which is what every replica trains on.
         """
-        data = tuple(a[indices] for a in arrays[:2])
+        data = tuple(a[indices[: sum(sizes)]] for a in arrays[:2])
+        per_replica = [part for size in sizes for part in split_evenly(size, self.local_replicas)]
 
         def dataset_fn(context: Any) -> Any:
-            return tf.data.Dataset.from_tensor_slices(data).batch(self.config.batch_size, drop_remainder=drop_remainder)
+            parts, start = [], 0
+            for size, run in itertools.groupby(per_replica):  # one batched dataset per run of equal sizes
+                end = start + size * len(list(run))
+                parts.append(tf.data.Dataset.from_tensor_slices(tuple(d[start:end] for d in data)).batch(size))
+                start = end
+            return functools.reduce(tf.data.Dataset.concatenate, parts)
 
         return self.dist.distribute_datasets_from_function(dataset_fn)
-
-    def _sizes(self, total: int) -> list[int]:
-        full, rest = divmod(total, self.local_batch)
-        return [self.local_batch] * full + ([rest] if rest else [])
 
     def train_batches(self, epoch: int) -> Iterator[Any]:
         n = len(self.train_arrays[0])
         order = np.random.default_rng(self.config.seed + epoch).permutation(n)
         mine = order if self.train_presharded else order[self.strategy.rank::self.strategy.world_size]
         mine = mine[: self.per_worker]  # every worker the same number of samples (and steps)
-        sizes = self._sizes(self.per_worker)
-        iterator = iter(self._dataset(self.train_arrays, mine, self.config.drop_last))
+        iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes))
         for i in range(self._batches):  # the same count on every worker
-            self.collector.batch_count = sizes[i]
+            self.collector.batch_count = self._train_sizes[i]
             yield iterator  # train_step dequeues the batch inside its compiled step
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
-        with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
+        with self.strategy.collective_guard("training step"):
             means = self._train_fn(batch)
         self._steps += 1
         count = self.collector.batch_count
@@ -146,15 +181,14 @@ class KerasEngine(Engine):
         return means["train/loss"]
 
     def val_batches(self) -> Iterator[Any]:
-        n = len(self.val_arrays[0])
-        mine = np.arange(n) if self.val_presharded else np.arange(self.strategy.rank, n, self.strategy.world_size)
-        sizes = self._sizes(len(mine))
+        sizes = self._val_sizes
         limit = self.config.limit_val_batches
-        for i, batch in enumerate(self._dataset(self.val_arrays, mine, False)):
-            if limit is not None and i >= limit:
-                break
-            # MWMS keeps uneven workers in step with empty batches once a worker's shard is done
-            self.collector.batch_count = sizes[i] if i < len(sizes) else 0
+        steps = len(sizes) if limit is None else min(limit, len(sizes))
+        iterator = iter(self._dataset(self.val_arrays, self._val_indices, sizes))
+        for i in range(steps):  # the same count on every worker
+            with self.strategy.collective_guard("validation batch"):  # MWMS: workers agree there is one
+                batch = next(iterator)
+            self.collector.batch_count = sizes[i]
             yield batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -196,7 +230,8 @@ class KerasEngine(Engine):
             for name, data in state["tf_files"].items():
                 with open(os.path.join(folder, name), "wb") as f:
                     f.write(data)
-            self._checkpoint().read(os.path.join(folder, "ckpt")).assert_consumed()
+            with self.strategy.collective_guard("checkpoint restore"):
+                self._checkpoint().read(os.path.join(folder, "ckpt")).assert_consumed()
             self._steps = int(state["optimizer_steps"])
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -208,7 +243,8 @@ class KerasEngine(Engine):
         """Every worker writes (TensorFlow requires all to take part); only the chief's files are kept."""
         folder = tempfile.mkdtemp(prefix="unifit-tf-ckpt-")
         try:
-            self._checkpoint().write(os.path.join(folder, "ckpt"))
+            with self.strategy.collective_guard("checkpoint write"):
+                self._checkpoint().write(os.path.join(folder, "ckpt"))
             if not writer:
                 return {}
             files = {f"{_TF_PREFIX}{name}": open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
@@ -252,6 +288,27 @@ class KerasEngine(Engine):
     def seed(self, seed: int) -> None:
         seed_host(seed)
         tf.random.set_seed(seed)
+
+
+def step_sizes(count: int, steps: int, local_batch: int, replicas: int) -> list[int]:
+    """Samples per step for `count` samples in `steps` steps: full steps (`local_batch`) first,
+    then what is left, keeping at least one sample per replica for every later step.
+
+    Needs count >= steps * replicas. No step exceeds local_batch when count <= steps * local_batch
+    (otherwise, only with batch_size 1, the last step takes the surplus too).
+    """
+    sizes = []
+    for later in range(steps - 1, -1, -1):  # steps still to plan after this one
+        size = min(local_batch, count - later * replicas) if later else count
+        sizes.append(size)
+        count -= size
+    return sizes
+
+
+def split_evenly(size: int, parts: int) -> list[int]:
+    """`size` samples over `parts` replicas, sizes differing by at most one (34 + 33 for 67 over 2)."""
+    base, extra = divmod(size, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
 
 
 def _local_replicas(dist: Any) -> int:

@@ -14,11 +14,13 @@ from unifit.frameworks.base import Engine
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.device import torch_device
+from unifit.frameworks.torch.optimizers import parse_optimizers
+from unifit.frameworks.torch.precision import make_precision
 from unifit.trainer.lr_policy import LRPolicy
 
 # param-group keys and scheduler attributes that hold learning rates, scaled together
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
-_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs")
+_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs")
 
 
 class _StepModule(torch.nn.Module):
@@ -37,8 +39,11 @@ class TorchEngine(Engine):
         cfg, strategy = self.config, self.strategy
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
         self._move = self.device.type != "cpu"
+        self.precision = make_precision(cfg.precision, self.device)
         self.module.to(self.device)
-        self.optimizer, self.scheduler, self.interval = _parse_optimizers(_configure_optimizers(self.module))
+        self.optimizer, self.schedule = parse_optimizers(_configure_optimizers(self.module), type(self.module).__name__)
+        self.scheduler = self.schedule.scheduler if self.schedule is not None else None
+        self._epochs_done = 0
 
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
@@ -68,7 +73,7 @@ class TorchEngine(Engine):
 
         self.accumulate = cfg.accumulate_grad_batches
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
-        self.policy = LRPolicy.from_config(cfg, strategy.world_size, steps_per_epoch)
+        self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
         _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
         self._steps = 0
         step_module = _StepModule(self.module)
@@ -106,48 +111,68 @@ class TorchEngine(Engine):
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         count = tdata.batch_size_of(batch)
         self.collector.batch_count = count
-        accumulate = self.accumulate
+        accumulate, precision = self.accumulate, self.precision
         if accumulate == 1:
-            loss = _loss_of(self._forward(batch, batch_idx))
-            loss.backward()
+            with precision.autocast():
+                loss = _loss_of(self._forward(batch, batch_idx))
+            precision.backward(loss)
             self._optimizer_step()
         else:
             boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches
             if boundary:
-                loss = _loss_of(self._forward(batch, batch_idx))
-                (loss / accumulate).backward()
+                with precision.autocast():
+                    loss = _loss_of(self._forward(batch, batch_idx))
+                precision.backward(loss / accumulate)
                 self._optimizer_step()
             else:
                 with self.strategy.no_sync(self.wrapped):
-                    loss = _loss_of(self._forward(batch, batch_idx))
-                    (loss / accumulate).backward()
+                    with precision.autocast():
+                        loss = _loss_of(self._forward(batch, batch_idx))
+                    precision.backward(loss / accumulate)
         loss = loss.detach()
         self.collector.add("train/loss", loss, count)
         return loss
 
     def _optimizer_step(self) -> None:
-        optimizer, step = self.optimizer, self._steps
+        optimizer, step, precision = self.optimizer, self._steps, self.precision
         with self.strategy.synchronized_gradients(optimizer):  # clipping sees the averaged gradients
             if self.config.gradient_clip_val is not None:
+                precision.unscale(optimizer)  # clip the true gradients, not the loss-scaled ones
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clip_val)
             if step < self.policy.warmup_steps:
                 ramp = self.policy.ramp(step)
                 scheduled = [group["lr"] for group in optimizer.param_groups]
                 for group, lr in zip(optimizer.param_groups, scheduled):
                     group["lr"] = lr * ramp
-                optimizer.step()
+                precision.step(optimizer)
                 for group, lr in zip(optimizer.param_groups, scheduled):
                     group["lr"] = lr  # the user's scheduler keeps seeing its own values
             else:
-                optimizer.step()
+                precision.step(optimizer)
         optimizer.zero_grad()  # set_to_none (torch >= 2 default); wrappers like Horovod take no argument
         self._steps = step + 1
-        if self.scheduler is not None and self.interval == "step":
-            self.scheduler.step()
+        schedule = self.schedule
+        if schedule is not None and schedule.interval == "step" and self._steps % schedule.frequency == 0:
+            schedule.scheduler.step()
 
     def end_of_epoch(self) -> None:
-        if self.scheduler is not None and self.interval == "epoch":
-            self.scheduler.step()
+        self._epochs_done += 1
+        schedule = self.schedule
+        if schedule is not None and schedule.interval == "epoch" and not schedule.monitor \
+                and self._epochs_done % schedule.frequency == 0:
+            schedule.scheduler.step()
+
+    def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
+        """A monitored scheduler (ReduceLROnPlateau) steps on the epoch's reduced metrics, identical
+        on every rank; on epochs without validation a validation metric is not there, so it waits."""
+        schedule = self.schedule
+        if schedule is None or not schedule.monitor or self._epochs_done % schedule.frequency:
+            return
+        if schedule.monitor in metrics:
+            schedule.scheduler.step(metrics[schedule.monitor])
+        elif validated or not self.has_validation:
+            raise ConfigError(f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
+                              f"'{schedule.monitor}', which was not logged; logged metrics: {sorted(metrics)}")
 
     def current_lrs(self) -> list[float]:
         ramp = self.policy.ramp(self._steps)
@@ -164,7 +189,7 @@ class TorchEngine(Engine):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.collector.batch_count = tdata.batch_size_of(batch)
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.autocast():
             self.module.validation_step(batch, batch_idx)
 
     # ---- numbers ------------------------------------------------------------------------
@@ -178,6 +203,16 @@ class TorchEngine(Engine):
     def is_finite(self, value: Any) -> bool:
         return bool(torch.isfinite(value).all()) if isinstance(value, torch.Tensor) else math.isfinite(value)
 
+    def finite_probe(self, value: Any) -> Any:
+        """On CUDA: a non-blocking copy of the flag to pinned memory, read once its event completed."""
+        if not (isinstance(value, torch.Tensor) and value.is_cuda):
+            return super().finite_probe(value)
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(torch.isfinite(value).all(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return lambda: bool(host) if done.query() else None
+
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -185,6 +220,8 @@ class TorchEngine(Engine):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "optimizer_steps": self._steps,
+            "epochs_done": self._epochs_done,
+            "precision": self.precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -193,6 +230,8 @@ class TorchEngine(Engine):
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._steps = int(state["optimizer_steps"])
+        self._epochs_done = int(state.get("epochs_done", 0))
+        self.precision.load_state_dict(state.get("precision", {}))
 
     def rng_state(self) -> dict[str, Any]:
         return {**host_rng_state(), "torch": torch.get_rng_state(),
@@ -249,29 +288,6 @@ def _loss_of(output: Any) -> torch.Tensor:
     raise ConfigError(
         f"training_step returned {type(output).__name__}; return the loss tensor or a dict with key 'loss'"
     )
-
-
-def _parse_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Any, str]:
-    """optimizer | (optimizer, scheduler) | {"optimizer", "lr_scheduler", "interval"}."""
-    scheduler, interval = None, "epoch"
-    if isinstance(result, dict):
-        optimizer = result.get("optimizer")
-        scheduler = result.get("lr_scheduler")
-        interval = result.get("interval", "epoch")
-    elif isinstance(result, (tuple, list)) and len(result) == 2:
-        optimizer, scheduler = result
-    else:
-        optimizer = result
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            f"configure_optimizers() returned {type(result).__name__}; return a torch optimizer, "
-            "(optimizer, scheduler) or {'optimizer': ..., 'lr_scheduler': ..., 'interval': 'epoch'|'step'}")
-    if interval not in ("epoch", "step"):
-        raise ConfigError(f"configure_optimizers(): interval received {interval!r}; use 'epoch' or 'step'")
-    for i, group in enumerate(optimizer.param_groups):
-        if group["lr"] < 0:
-            raise ConfigError(f"configure_optimizers(): param group {i} has lr={group['lr']}; the learning rate must be >= 0")
-    return optimizer, scheduler, interval
 
 
 def _scale_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:

@@ -1,0 +1,134 @@
+"""Ways a real job died or trained silently wrong (issue 'Fix first'), each pinned by a test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unifit
+from tests.helpers import PROBE_YAML, run_unifit
+from tests.probe.probe import ProbeModule
+from unifit.errors import ConfigError
+from unifit.trainer.loading import apply_overrides, load_yaml
+
+
+def _trainer(tmp_path, **kw):
+    base = dict(max_epochs=3, batch_size=8, root_dir=str(tmp_path), progress_bar=False, lr_scaling="none",
+                tensorboard={"enabled": False}, checkpoint={"enabled": False})
+    return unifit.Trainer(**{**base, **kw})
+
+
+class Optimizers(ProbeModule):
+    """configure_optimizers returns whatever form `form` names."""
+
+    def __init__(self, form: str, **kw):
+        super().__init__(dropout=0.0, **kw)
+        self.form = form
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        self.opt = opt
+        other = torch.optim.SGD(self.net[0].parameters(), lr=0.01)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=10.0)
+        step = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {
+            "two_list": lambda: [opt, other],
+            "two_tuple": lambda: (opt, other),
+            "two_lists": lambda: ([opt, other], []),
+            "plateau_no_monitor": lambda: {"optimizer": opt, "lr_scheduler": plateau},
+            "plateau_dict": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"}},
+            "plateau_top_monitor": lambda: {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val/loss"},
+            "plateau_missing_metric": lambda: {"optimizer": opt,
+                                               "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}},
+            "lists": lambda: ([opt], [step]),
+            "dict_frequency": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": step, "frequency": 2}},
+            "bad_key": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": step, "every": 2}},
+            "bad_interval": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": step, "interval": "batch"}},
+            "monitor_step": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": step, "monitor": "val/loss"}},
+        }[self.form]()
+
+
+@pytest.mark.parametrize("form, needles", [
+    ("two_list", ["2 optimizers", "SGD, SGD", "one optimizer"]),
+    ("two_tuple", ["2 optimizers", "one optimizer"]),
+    ("two_lists", ["2 optimizers"]),
+    ("plateau_no_monitor", ["ReduceLROnPlateau needs", "monitor"]),
+    ("bad_key", ["'every'", "scheduler"]),
+    ("bad_interval", ["'batch'", "'epoch' or 'step'"]),
+    ("monitor_step", ["StepLR", "takes no metric"]),
+])
+def test_optimizer_forms_refused_at_setup_before_any_step(tmp_path, form, needles):
+    module = Optimizers(form)
+    with pytest.raises(ConfigError) as error:
+        _trainer(tmp_path).fit(module)
+    message = str(error.value)
+    assert "\n" not in message and "Optimizers.configure_optimizers()" in message
+    for needle in needles:
+        assert needle in message, message
+    assert not module.seen  # refused before the first training step
+
+
+@pytest.mark.parametrize("form", ["plateau_dict", "plateau_top_monitor"])
+def test_reduce_lr_on_plateau_steps_on_the_monitored_metric_and_resumes(tmp_path, form):
+    module = Optimizers(form)
+    final = _trainer(tmp_path, checkpoint={"enabled": True}).fit(module)
+    # threshold=10 (rel): no epoch counts as an improvement, patience 0 -> halved after each epoch
+    assert module.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+    assert final.metrics["lr"] == pytest.approx(0.05 * 0.5 ** 3)  # what the next step uses
+    resumed = Optimizers(form)
+    _trainer(tmp_path, checkpoint={"enabled": True}, max_epochs=4).fit(resumed, ckpt_path="last")
+    assert resumed.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 4)  # the plateau state came back
+
+
+def test_monitored_metric_that_is_never_logged_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"monitors 'val_loss', which was not logged; logged metrics: \[.*'val/loss'"):
+        _trainer(tmp_path).fit(Optimizers("plateau_missing_metric"))
+
+
+def test_lightning_list_form_and_scheduler_frequency(tmp_path):
+    lists = Optimizers("lists")
+    _trainer(tmp_path / "a").fit(lists)
+    assert lists.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+    every_two = Optimizers("dict_frequency")
+    _trainer(tmp_path / "b", max_epochs=4).fit(every_two)
+    assert every_two.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 2)
+
+
+def test_scientific_notation_is_a_float_in_files_and_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("module:\n  class_path: m.M\n  init_args: {lr: 1e-4, wd: 5E-2, n: 3, tag: 1e}\n")
+    data = apply_overrides(load_yaml(path), {"module.init_args.momentum": "9e-1", "trainer.max_epochs": "2"})
+    args = data["module"]["init_args"]
+    assert args == {"lr": 1e-4, "wd": 0.05, "n": 3, "tag": "1e", "momentum": 0.9}
+    assert isinstance(args["lr"], float) and isinstance(data["trainer"]["max_epochs"], int)
+
+
+@pytest.mark.timeout(120)
+def test_digits_example_takes_an_lr_in_scientific_notation(tmp_path):
+    result = run_unifit("fit", "-c", "examples/digits/torch.yaml", "--trainer.strategy", "single",
+                        "--trainer.root_dir", str(tmp_path), "--trainer.checkpoint.dir", str(tmp_path / "ckpt"),
+                        "--trainer.tensorboard.log_dir", str(tmp_path / "tb"), "--trainer.max_epochs", "1",
+                        "--module.init_args.lr", "5e-2")
+    assert result.returncode == 0, result.stderr
+    assert "lr=0.05" in result.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("root", ["/proc/unifit-cannot-exist/run", "/sys/unifit-run"])
+def test_root_dir_that_cannot_be_created_is_one_line(tmp_path, root):
+    result = run_unifit("fit", "-c", str(PROBE_YAML), "--trainer.root_dir", root)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
+    assert "trainer.root_dir" in line and root in line and "writable directory" in line
+
+
+def test_global_batch_counts_replicas_not_processes(tmp_path, capsys):
+    class TwoReplicas(unifit.Callback):
+        def on_setup(self, ctx):
+            self.global_batch = ctx.global_batch
+
+    seen = TwoReplicas()
+    _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2, callbacks=[seen]).fit(ProbeModule())
+    assert seen.global_batch == 16
+    assert "global batch 16," in capsys.readouterr().out

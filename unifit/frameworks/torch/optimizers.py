@@ -1,0 +1,116 @@
+"""What `configure_optimizers()` may return, checked at set-up (before the first step).
+
+Accepted, as Lightning documents them, with exactly one optimizer:
+    optimizer | [optimizer] | (optimizer, scheduler) | ([optimizer], [scheduler])
+    {"optimizer": o, "lr_scheduler": scheduler | {"scheduler": s, "interval", "frequency", "monitor"},
+     "monitor": ..., "interval": ...}
+Several optimizers (GANs, manual optimization) are refused in one line rather than guessed at: a
+second optimizer read as a scheduler trains silently wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from unifit.errors import ConfigError
+
+_FORMS = ("return one torch optimizer, (optimizer, scheduler), ([optimizer], [scheduler]) or "
+          "{'optimizer': ..., 'lr_scheduler': scheduler or {'scheduler': ..., 'interval': 'epoch'|'step', "
+          "'frequency': N, 'monitor': 'val/loss'}}")
+_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
+
+
+@dataclass
+class SchedulerSpec:
+    """A scheduler and when it steps: every `frequency` epochs or optimizer steps; a monitored
+    one (ReduceLROnPlateau) with the value of the metric `monitor` after validation."""
+
+    scheduler: Any
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+
+
+def parse_optimizers(result: Any, module_name: str) -> tuple[torch.optim.Optimizer, SchedulerSpec | None]:
+    where = f"{module_name}.configure_optimizers()"
+    top_monitor, top_interval = None, None
+    if isinstance(result, (tuple, list)) and len(result) == 1 and isinstance(result[0], dict):
+        result = result[0]  # [{"optimizer": ..., ...}]
+    if isinstance(result, dict):
+        unknown = set(result) - {"optimizer", "lr_scheduler", "interval", "monitor"}
+        if unknown:
+            raise ConfigError(f"{where} returned a dict with unknown keys {sorted(unknown)}; {_FORMS}")
+        optimizers = [result.get("optimizer")]
+        schedulers = [result["lr_scheduler"]] if result.get("lr_scheduler") is not None else []
+        top_monitor, top_interval = result.get("monitor"), result.get("interval")
+    elif isinstance(result, (tuple, list)):
+        optimizers, schedulers = _split_sequence(list(result), where)
+    else:
+        optimizers, schedulers = [result], []
+    if len(optimizers) != 1:
+        kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
+        raise ConfigError(f"{where} returned {len(optimizers)} optimizers ({kinds}); unifit trains one optimizer "
+                          "per module (several optimizers / manual optimization are not supported); "
+                          "put all parameters in one optimizer with param groups")
+    optimizer = optimizers[0]
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"{where} returned {type(result).__name__} whose optimizer is a "
+                          f"{type(optimizer).__name__}; {_FORMS}")
+    for i, group in enumerate(optimizer.param_groups):
+        if group["lr"] < 0:
+            raise ConfigError(f"{where}: param group {i} has lr={group['lr']}; the learning rate must be >= 0")
+    if len(schedulers) > 1:
+        raise ConfigError(f"{where} returned {len(schedulers)} schedulers; return at most one")
+    if not schedulers:
+        return optimizer, None
+    spec = _scheduler_spec(schedulers[0], where, top_monitor, top_interval)
+    if spec.scheduler.optimizer is not optimizer:
+        raise ConfigError(f"{where}: the scheduler {type(spec.scheduler).__name__} was built for another "
+                          "optimizer than the one returned; build it with the returned optimizer")
+    return optimizer, spec
+
+
+def _split_sequence(items: list[Any], where: str) -> tuple[list[Any], list[Any]]:
+    if len(items) == 2 and all(isinstance(x, (list, tuple)) for x in items):  # ([optimizers], [schedulers])
+        return list(items[0]), list(items[1])
+    optimizers = [x for x in items if isinstance(x, (torch.optim.Optimizer, dict))]
+    schedulers = [x for x in items if _is_scheduler(x)]
+    others = [x for x in items if x not in optimizers and x not in schedulers]
+    if others:
+        raise ConfigError(f"{where} returned a {type(items).__name__} holding a {type(others[0]).__name__}; {_FORMS}")
+    return optimizers, schedulers  # several dicts count as several optimizers (refused)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def _scheduler_spec(entry: Any, where: str, monitor: str | None, interval: str | None) -> SchedulerSpec:
+    options: dict[str, Any] = {}
+    if isinstance(entry, dict):
+        unknown = set(entry) - _SCHEDULER_KEYS
+        if unknown or "scheduler" not in entry:
+            raise ConfigError(f"{where}: the lr_scheduler dict needs 'scheduler' and takes only {sorted(_SCHEDULER_KEYS)}; "
+                              f"received keys {sorted(entry)}")
+        options, entry = entry, entry["scheduler"]
+    if not _is_scheduler(entry):
+        raise ConfigError(f"{where}: lr_scheduler is a {type(entry).__name__}, not a torch LR scheduler; {_FORMS}")
+    spec = SchedulerSpec(entry, interval=options.get("interval", interval or "epoch"),
+                         frequency=options.get("frequency", 1), monitor=options.get("monitor", monitor))
+    if spec.interval not in ("epoch", "step"):
+        raise ConfigError(f"{where}: interval received {spec.interval!r}; use 'epoch' or 'step'")
+    if not isinstance(spec.frequency, int) or spec.frequency < 1:
+        raise ConfigError(f"{where}: frequency received {spec.frequency!r}; use a positive integer")
+    plateau = isinstance(entry, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if plateau and not spec.monitor:
+        raise ConfigError(f"{where}: ReduceLROnPlateau needs the metric it watches; return "
+                          "{'optimizer': opt, 'lr_scheduler': {'scheduler': sched, 'monitor': 'val/loss'}}")
+    if spec.monitor and not plateau:
+        raise ConfigError(f"{where}: 'monitor' is given for {type(entry).__name__}, which takes no metric; "
+                          "remove 'monitor' or use ReduceLROnPlateau")
+    if spec.monitor and spec.interval != "epoch":
+        raise ConfigError(f"{where}: a monitored scheduler steps after validation; use interval 'epoch'")
+    return spec

@@ -1,0 +1,100 @@
+"""Precision for torch: autocast around the forward, loss scaling around backward and step.
+
+One object per run owns everything that differs between `32-true`, `bf16-mixed` and
+`16-mixed`, so the engine's step reads the same for all three (Lightning's precision plugins,
+torch.amp underneath). A step the GradScaler skips because gradients overflowed is normal
+under float16 (the scale backs off); a NaN *loss* is still caught by the NaN guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+
+from unifit.errors import ConfigError
+
+
+class Precision:
+    """Full precision: every hook is plain."""
+
+    name = "32-true"
+
+    def autocast(self) -> ContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: Any) -> None:
+        """Bring gradients to their true scale (before clipping)."""
+
+    def step(self, optimizer: Any) -> None:
+        optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class MixedPrecision(Precision):
+    """torch.autocast to `dtype`; float16 adds a GradScaler (bfloat16 has float32's range)."""
+
+    def __init__(self, name: str, dtype: torch.dtype, device: torch.device) -> None:
+        self.name, self.dtype, self.device_type = name, dtype, device.type
+        _check_supported(name, dtype, device)
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+    def autocast(self) -> ContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale(self, optimizer: Any) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: Any) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)  # skipped when the unscaled gradients hold inf/NaN
+        self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def make_precision(name: str, device: torch.device) -> Precision:
+    """The Precision for `trainer.precision` on this device."""
+    if name == "32-true":
+        return Precision()
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[name]
+    return MixedPrecision(name, dtype, device)
+
+
+def _check_supported(name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse at set-up, in one line, what would fail (or silently run in float32) later."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"trainer.precision: received '{name}', but {torch.cuda.get_device_name(device)} has no "
+                          "bfloat16 support; use '16-mixed' or '32-true'")
+    if not torch.amp.is_autocast_available(device.type):
+        raise ConfigError(f"trainer.precision: received '{name}', but torch has no autocast for device "
+                          f"'{device.type}'; use '32-true'")
+    try:
+        with torch.autocast(device.type, dtype=dtype):
+            torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+        if dtype == torch.float16:
+            torch.amp.GradScaler(device.type)
+    except (RuntimeError, AssertionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"trainer.precision: received '{name}', which torch {torch.__version__} does not support "
+                          f"on {device.type} ({first}); use '32-true' or 'bf16-mixed'") from None
