@@ -13,13 +13,14 @@ import unifit
 
 
 class GpuProbe(unifit.TrainModule):
-    def __init__(self, n_train: int = 512, n_val: int = 128, lr: float = 0.05) -> None:
+    def __init__(self, n_train: int = 512, n_val: int = 128, lr: float = 0.05, nan_at_step: int | None = None) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
             torch.nn.Flatten(), torch.nn.Linear(16 * 16, 10))
         self.n_train, self.n_val, self.lr = n_train, n_val, lr
         self.facts: dict[str, str] = {}
+        self.nan_at_step, self._steps = nan_at_step, 0
 
     def _data(self, n: int, seed: int) -> TensorDataset:
         g = torch.Generator().manual_seed(seed)
@@ -38,7 +39,9 @@ class GpuProbe(unifit.TrainModule):
         logits = self.net(x)
         self.facts.update(batch_device=str(x.device), logits_dtype=str(logits.dtype),
                           param_device=str(next(self.parameters()).device))
-        return F.cross_entropy(logits.float(), y)
+        self._steps += 1
+        loss = F.cross_entropy(logits.float(), y)
+        return loss * float("nan") if self._steps == self.nan_at_step else loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch

@@ -77,6 +77,17 @@ def test_resume_on_gpu_matches_uninterrupted_run(tmp_path, precision):
     assert b["weights_sum"] == pytest.approx(a["weights_sum"], rel=2e-3)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_nan_loss_on_gpu_stops_before_a_bad_checkpoint(tmp_path, precision):
+    """The guard reads the GPU's flag without stalling it; a NaN loss still stops the run (a float16 step
+    the GradScaler skips for inf gradients does not)."""
+    result = _run(tmp_path, "--trainer.precision", precision, "--module.init_args.nan_at_step", "20",
+                  "--trainer.nan_guard.check_every_n_steps", "4")
+    assert result.returncode == 1, result.stderr
+    assert "training stopped on all ranks: non-finite loss at step 20 on rank 0" in result.stderr, result.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0001-step=0000016", "last.json"]
+
+
 @pytest.mark.skipif(GPUS >= 2, reason="needs a machine with exactly one GPU")
 def test_two_processes_on_one_gpu_is_a_one_line_error(tmp_path):
     result = _run(tmp_path, procs=2, strategy="ddp")
