@@ -58,6 +58,13 @@ def test_keras_module_with_a_torch_strategy(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_keras_module_with_mixed_precision_is_refused(tmp_path):
+    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.precision", "bf16-mixed",
+                         "--trainer.root_dir", str(tmp_path)),
+              "trainer.precision: received 'bf16-mixed'", "Keras modules", "'32-true'")
+
+
+@pytest.mark.timeout(120)
 def test_mirrored_with_more_devices_than_exist(tmp_path):
     _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy_options", "{devices: 64}",
                          "--trainer.root_dir", str(tmp_path)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import keras
 import numpy as np
@@ -56,15 +57,19 @@ class KerasProbe(unifit.KerasModule):
 
         tf.py_function(record, [replica, x[:, 0]], tf.int32)
 
+    # MirroredStrategy traces each replica in a thread of its own and switches between them at merge
+    # calls, so the batch metrics() reads is kept per thread (one attribute would hold another replica's)
+    _batch = threading.local()
+
     def training_step(self, x, y):
         self._record("train", x, True)
-        self._x = x  # for metrics() below, within the same compiled step
+        self._batch.x = x  # for metrics() below, within the same compiled step
         y_pred = self.model(x, training=True)
         return self.loss(y, y_pred), y_pred
 
     def validation_step(self, x, y):
         self._record("val", x, False)
-        self._x = x
+        self._batch.x = x
         y_pred = self.model(x, training=False)
         return self.loss(y, y_pred), y_pred
 
@@ -72,7 +77,7 @@ class KerasProbe(unifit.KerasModule):
         from unifit.strategies import environment
 
         rank_plus_one = float(environment.detect().rank + 1)
-        return {"index_mean": self._x[:, 0], "rank_plus_one": tf.fill(tf.shape(y), rank_plus_one)}
+        return {"index_mean": self._batch.x[:, 0], "rank_plus_one": tf.fill(tf.shape(y), rank_plus_one)}
 
     def weights(self) -> list[np.ndarray]:
         return [np.asarray(v.numpy(), dtype=np.float64) for v in self.model.weights]

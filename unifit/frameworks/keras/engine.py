@@ -40,6 +40,9 @@ class KerasEngine(Engine):
         if cfg.accumulate_grad_batches != 1:
             raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
                               "is implemented for PyTorch modules only); raise batch_size instead")
+        if cfg.precision != "32-true":
+            raise ConfigError(f"trainer.precision: received '{cfg.precision}', but Keras modules train in '32-true' "
+                              "only for now (mixed precision is implemented for PyTorch modules); use '32-true'")
         self.dist = getattr(strategy, "tf_strategy", None) or tf.distribute.get_strategy()
         self.local_replicas = _local_replicas(self.dist)
         # replicas over all processes: tf.distribute's own count for mirrored/mwms, one per process for horovod
@@ -53,22 +56,23 @@ class KerasEngine(Engine):
         self.per_worker = n if presharded else n // strategy.world_size
         if presharded:
             self.per_worker = -int(strategy.all_reduce_max(np.array([-n]))[0])
-        if self.per_worker < self.local_replicas:
-            raise ConfigError(f"train_dataset(): {self.per_worker} samples per worker cannot give each of its "
-                              f"{self.local_replicas} replicas one; give more samples or use fewer devices")
         used = self.per_worker - (self.per_worker % self.local_batch if cfg.drop_last else 0)
         if used == 0:
             raise ConfigError(f"trainer.batch_size: {cfg.batch_size} x {self.local_replicas} local replicas leaves no "
                               f"training batch ({self.per_worker} samples per worker); lower batch_size")
+        if used < self.local_replicas:
+            raise ConfigError(f"train_dataset(): {used} samples per worker cannot give each of its "
+                              f"{self.local_replicas} replicas one; give more samples or use fewer devices")
         self._train_sizes = step_sizes(used, self._steps_for([used]), self.local_batch, self.local_replicas)
         self._batches = len(self._train_sizes)
         if cfg.limit_train_batches:
             self._batches = min(self._batches, cfg.limit_train_batches)
         val, val_presharded = self._rank_data(self.data.val_dataset())
         self.val_arrays = _arrays(val, "val_dataset()") if val is not None and cfg.limit_val_batches != 0 else None
-        self.val_presharded = val_presharded
         if self.val_arrays is not None:
-            self._val_indices = self._val_shard()
+            n_val = len(self.val_arrays[0])
+            rank, world = (0, 1) if val_presharded else (strategy.rank, strategy.world_size)
+            self._val_indices = np.arange(rank, n_val, world)
             self._val_sizes = self._val_plan(len(self._val_indices))
 
         # MWMS broadcasts each variable's initial value from the chief as it is created
@@ -126,10 +130,6 @@ class KerasEngine(Engine):
         full = -(-max(counts) // self.local_batch)
         return min(full, min(counts) // self.local_replicas)
 
-    def _val_shard(self) -> np.ndarray:
-        n = len(self.val_arrays[0])
-        return np.arange(n) if self.val_presharded else np.arange(self.strategy.rank, n, self.strategy.world_size)
-
     def _val_plan(self, count: int) -> list[int]:
         """Samples per validation step. Under MWMS workers must take the same number of steps (a
         worker whose data ran out would be handed empty batches), so every worker's count decides."""
@@ -142,8 +142,8 @@ class KerasEngine(Engine):
         return step_sizes(count, self._steps_for(counts), self.local_batch, self.local_replicas)
 
     def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, sizes: list[int]) -> Any:
-        """This worker's samples in per-replica batches, as `sizes` (per step) splits them; each
-        local replica dequeues one per step (round robin) and gets max(1, size // replicas) or more.
+        """This worker's samples in per-replica batches: each local replica dequeues one per step
+        (round robin), and a step of `sizes[i]` samples gives every replica an even share, never none.
 
         distribute_datasets_from_function does no auto-sharding and no rebatching: unifit has
         already given this worker its own part, which is what every replica trains on.
@@ -172,7 +172,7 @@ class KerasEngine(Engine):
             yield iterator  # train_step dequeues the batch inside its compiled step
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
-        with self.strategy.collective_guard("training step"):
+        with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
             means = self._train_fn(batch)
         self._steps += 1
         count = self.collector.batch_count
