@@ -132,3 +132,44 @@ def test_global_batch_counts_replicas_not_processes(tmp_path, capsys):
     _trainer(tmp_path, max_epochs=1, accumulate_grad_batches=2, callbacks=[seen]).fit(ProbeModule())
     assert seen.global_batch == 16
     assert "global batch 16," in capsys.readouterr().out
+
+
+class StopAtEpoch(unifit.Callback):
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_epoch_end(self, ctx):
+        if ctx.state.epoch == self.epoch:
+            ctx.state.should_stop, ctx.state.stop_reason = True, "user callback"
+
+
+class Counter(unifit.Callback):
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_epoch_end(self, ctx):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state.get("count", 0)
+
+
+def test_a_user_callback_that_stops_training_is_seen_by_the_checkpoint(tmp_path):
+    state = _trainer(tmp_path, max_epochs=10, checkpoint={"enabled": True, "every_n_epochs": 5},
+                     callbacks=[StopAtEpoch(3)]).fit(ProbeModule())
+    assert state.epoch == 3
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["epoch=0003-step=0000024", "last.json"]
+
+
+def test_two_instances_of_one_callback_keep_their_own_state(tmp_path):
+    first, second = Counter(), Counter()
+    second.count = 100
+    _trainer(tmp_path, max_epochs=2, checkpoint={"enabled": True}, callbacks=[first, second]).fit(ProbeModule())
+    again, again2 = Counter(), Counter()
+    _trainer(tmp_path, max_epochs=3, checkpoint={"enabled": True}, callbacks=[again, again2]).fit(
+        ProbeModule(), ckpt_path="last")
+    assert (again.count, again2.count) == (3, 103)

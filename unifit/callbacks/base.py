@@ -18,6 +18,14 @@ class Callback:
     """
 
     rank_zero_only: ClassVar[bool] = False
+    # callbacks that persist training (checkpoints, the final model) run after every other callback
+    # of an event, so a user callback that stops training is seen by the save that follows it
+    runs_last: ClassVar[bool] = False
+
+    @property
+    def state_key(self) -> str:
+        """Where this callback's state_dict lives in a checkpoint (the Trainer numbers repeats)."""
+        return type(self).__qualname__
 
     def on_setup(self, ctx: FitContext) -> None: ...
     def on_fit_start(self, ctx: FitContext) -> None: ...

@@ -13,6 +13,8 @@ from unifit.trainer.config import CheckpointConfig
 class ModelCheckpoint(Callback):
     """Runs on every rank: saving gathers each rank's random state and ends at a barrier."""
 
+    runs_last = True
+
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
         self.best_value: float | None = None

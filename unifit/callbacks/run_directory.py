@@ -42,6 +42,8 @@ class RunDirectory(Callback):
 class ModelExport(Callback):
     """Rank 0 writes the final model to `export_dir` (e.g. SageMaker's model dir) when fit ends."""
 
+    runs_last = True
+
     rank_zero_only = True
 
     def __init__(self, export_dir: str, storage_options: dict[str, Any] | None = None) -> None:

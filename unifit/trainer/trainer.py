@@ -124,7 +124,7 @@ class Trainer:
             "trainer": state.to_dict(),
             "rng": rngs,
             "world_size": strategy.world_size,
-            "callbacks": {type(cb).__name__: cb.state_dict() for cb in self._running["callbacks"]},
+            "callbacks": {key: cb.state_dict() for key, cb in _state_keys(self._running["callbacks"])},
         }
         files = engine.checkpoint_files(payload, writer=strategy.is_global_zero)  # every rank takes part
         if strategy.is_global_zero:
@@ -190,7 +190,8 @@ class Trainer:
         for cb in user:
             if not isinstance(cb, Callback):
                 raise ConfigError(f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback")
-        return [*default_callbacks(self.config), *user, *self.extra_callbacks]
+        every = [*default_callbacks(self.config), *user, *self.extra_callbacks]
+        return [cb for cb in every if not cb.runs_last] + [cb for cb in every if cb.runs_last]
 
     def _resume(self, spec: str) -> str:
         """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast).
@@ -206,8 +207,8 @@ class Trainer:
         self.state = TrainState.from_dict(payload["trainer"])
         self.state.should_stop, self.state.stop_reason = False, None
         saved = payload.get("callbacks", {})
-        for cb in self._running["callbacks"]:
-            cb.load_state_dict(saved.get(type(cb).__name__, {}))
+        for key, cb in _state_keys(self._running["callbacks"]):
+            cb.load_state_dict(saved.get(key, saved.get(type(cb).__name__, {})))  # older checkpoints: class name
         if payload["world_size"] == strategy.world_size:
             engine.set_rng_state(payload["rng"][strategy.rank])
         else:
@@ -245,6 +246,16 @@ class Trainer:
         cls = type(module)
         return resolved_yaml(ExperimentConfig(
             module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=self.config))
+
+
+def _state_keys(callbacks: list[Callback]) -> list[tuple[str, Callback]]:
+    """A stable key per callback: its state_key, numbered from the second instance on."""
+    seen: dict[str, int] = {}
+    keyed = []
+    for cb in callbacks:
+        n = seen[cb.state_key] = seen.get(cb.state_key, 0) + 1
+        keyed.append((cb.state_key if n == 1 else f"{cb.state_key}#{n}", cb))
+    return keyed
 
 
 def _lr_metrics(engine: Any) -> dict[str, float]:
