@@ -173,3 +173,23 @@ def test_two_instances_of_one_callback_keep_their_own_state(tmp_path):
     _trainer(tmp_path, max_epochs=3, checkpoint={"enabled": True}, callbacks=[again, again2]).fit(
         ProbeModule(), ckpt_path="last")
     assert (again.count, again2.count) == (3, 103)
+
+
+@pytest.mark.timeout(120)
+def test_errors_that_are_not_the_users_input_keep_their_type_and_place(tmp_path):
+    """A corrupted checkpoint is not a config mistake: exit 1 with the original error, one line per rank."""
+    from tests.helpers import launch_probe
+
+    assert launch_probe("ddp", tmp_path, "--trainer.max_epochs", "1").returncode == 0
+    (state,) = (tmp_path / "checkpoints").glob("epoch=*/state.pt")
+    state.write_bytes(b"not a torch file")
+    result = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "2", ckpt="last", timeout=100)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    rank0 = [line for line in result.stderr.splitlines() if line.startswith("unifit: error: ")]
+    rank1 = [line for line in result.stderr.splitlines() if line.startswith("unifit: error (rank 1): rank 0 failed")]
+    assert rank0 and "Error" in rank0[0] and "(at " in rank0[0] and "UNIFIT_DEBUG=1" in rank0[0], result.stderr
+    assert rank1, result.stderr
+    debug = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "2", ckpt="last", timeout=100,
+                         env={"UNIFIT_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr

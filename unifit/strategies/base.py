@@ -120,14 +120,18 @@ class Strategy(ABC):
     def rank_zero_call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on rank 0 only and give every rank its result, or raise its error on every rank."""
         outcome: tuple[Any, BaseException | None] = (None, None)
+        original: Exception | None = None
         if self.is_global_zero:
             try:
                 outcome = (fn(), None)
             except UnifitError as exc:
                 outcome = (None, exc)
-            except Exception as exc:  # every rank must learn about it, not only rank 0
-                outcome = (None, UnifitError(f"{type(exc).__name__}: {exc}"))
+            except Exception as exc:  # every rank must learn about it; rank 0 keeps the original and its cause
+                original = exc
+                outcome = (None, DistributedError(f"rank 0 failed: {type(exc).__name__}: {first_line(exc)}"))
         value, error = self.broadcast_object(outcome)
+        if original is not None:
+            raise original
         if error is not None:
             raise error
         return value

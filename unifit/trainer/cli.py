@@ -14,9 +14,10 @@ import dataclasses
 import logging
 import os
 import sys
+import traceback
 from typing import TYPE_CHECKING, Any, Sequence
 
-from unifit.errors import ConfigError, UnifitError, error_prefix
+from unifit.errors import ConfigError, UnifitError, error_prefix, first_line
 
 if TYPE_CHECKING:
     from unifit.strategies.environment import ClusterEnvironment
@@ -178,13 +179,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UnifitError as exc:
         if os.environ.get("UNIFIT_DEBUG"):
             raise
-        env = _launched_environment()
-        sys.stderr.write(error_prefix(env.rank) + str(exc).replace("\n", " ") + "\n")  # one write: ranks share the terminal
-        if env.source != "none":  # a launched rank: skip interpreter shutdown, where a torn-down gloo
-            sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher
-            sys.stderr.flush()
-            os._exit(exc.exit_code)
-        return exc.exit_code
+        return _exit_with(str(exc), exc.exit_code)
+    except Exception as exc:  # not the user's input: the original error, located, in one line
+        if os.environ.get("UNIFIT_DEBUG"):
+            raise
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+        return _exit_with(f"{type(exc).__name__}: {first_line(exc)}{where}; UNIFIT_DEBUG=1 shows the traceback", 1)
+
+
+def _exit_with(message: str, code: int) -> int:
+    env = _launched_environment()
+    sys.stderr.write(error_prefix(env.rank) + message.replace("\n", " ") + "\n")  # one write: ranks share the terminal
+    if env.source != "none":  # a launched rank: skip interpreter shutdown, where a torn-down gloo
+        sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _launched_environment() -> ClusterEnvironment:
