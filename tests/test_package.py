@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -63,3 +64,16 @@ def test_torchrun_launcher_passes_multi_node_flags_through():
                                             "-m", "unifit", "fit", "-c", "x.yaml"]
     static = LaunchSpec(nproc_per_node=1, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=7777)
     assert "--master-addr" in launcher.torchrun_args(static) and "7777" in launcher.torchrun_args(static)
+
+
+@pytest.mark.timeout(120)
+def test_a_torch_run_with_tensorboard_does_not_load_tensorflow(tmp_path):
+    """TensorBoard's writer would import TensorFlow when installed (seconds, ~500 MB, its log lines)."""
+    code = ("import sys, unifit; from tests.probe.probe import ProbeModule; "
+            f"unifit.Trainer(max_epochs=1, root_dir={str(tmp_path)!r}, progress_bar=False).fit(ProbeModule()); "
+            "print('tensorflow loaded:', 'tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert "tensorflow loaded: False" in result.stdout
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

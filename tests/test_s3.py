@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_ok, launch_probe, probe_args, run_unifit, start_unifit, stop
+from tests.helpers import REPO, assert_ok, launch_probe, probe_args, run_unifit, start_unifit
+from tests.probe.gates import held, open_gate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,62 +71,96 @@ def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_
 
 
 def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket, tmp_path):
+    """Deterministic: the run holds at two epoch ends (tests/probe/gates.py) while the test acts.
+
+    After epoch 1 it waits until S3 is down, so epoch 2's event data can only be synced into the
+    outage; after epoch 3 it waits until the outage has been reported and S3 is back. No step of
+    the test depends on how long epochs or s3fs's retries take.
+    """
     fs = s3_endpoint.fs()
     tb_url = f"s3://{bucket}/outage/tb"
+    gates = tmp_path / "gates"
     proc = start_unifit(*probe_args(
         "single", tmp_path / "run", "--trainer.max_epochs", "30", "--trainer.tensorboard.sync_to", tb_url,
         "--trainer.tensorboard.sync_every_s", "0.3",
         # botocore without its own retries (a user setting too; s3fs still retries), so a sync pass gives up soon
         "--trainer.storage_options", json.dumps({"config_kwargs": {
             "retries": {"max_attempts": 1}, "connect_timeout": 2}}),
-        callbacks=[{"class_path": "tests.probe.probe.SlowEpochs", "init_args": {"seconds": 0.4}}]),
+        callbacks=[{"class_path": "tests.probe.gates.Gates",
+                    "init_args": {"directory": str(gates), "epochs": [1, 3], "timeout_s": 150}}]),
         env=s3_endpoint.env)
+    err, out = _LineReader(proc.stderr), _LineReader(proc.stdout)
+    s3_down = False
     try:
-        deadline = time.time() + 60
-        while not _exists(fs, f"{bucket}/outage/tb"):
-            assert time.time() < deadline and proc.poll() is None, "nothing was synced"
-            time.sleep(0.2)
-        err_lines, _ = _collect_lines(proc.stderr), _collect_lines(proc.stdout)
-        s3_endpoint.stop()  # S3 goes away mid-run, until the sync has given up once and reported it ...
-        deadline = time.time() + 60
-        while not any("failing" in line for line in err_lines):
-            assert time.time() < deadline, "the outage was never reported:\n" + "".join(err_lines)
-            time.sleep(0.5)
-        time.sleep(2)
+        _wait_for(lambda: os.path.exists(held(gates, 1)) and _exists(fs, f"{bucket}/outage/tb"), proc, err,
+                  "the run never reached epoch 1's end with its logs synced")
+        s3_endpoint.stop()  # S3 goes away mid-run ...
+        s3_down = True
+        open_gate(gates, 1)  # ... before epoch 2's scalars are written, so there is always something to sync
+        _wait_for(lambda: any("failing" in line for line in err.lines), proc, err, "the outage was never reported")
+        _wait_for(lambda: os.path.exists(held(gates, 3)), proc, err, "training stopped when S3 went away")
         assert proc.poll() is None, "training stopped when S3 went away"
         s3_endpoint.start()  # ... and comes back
+        s3_down = False
+        open_gate(gates, 3)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            raise AssertionError("training did not finish after S3 came back:\n" + "".join(err_lines)) from None
-        time.sleep(0.5)  # the reader threads take the last lines
-        err = "".join(err_lines)
+            raise AssertionError("training did not finish after S3 came back:\n" + err.text()) from None
+        err.join(), out.join()  # the reader threads have taken the last lines
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        if s3_endpoint.server is None:
+        _kill_group(proc)
+        if s3_down:  # the session's endpoint serves the tests after this one
             s3_endpoint.start()
-    assert proc.returncode == 0, err
-    assert err.count("failing") == 1, err  # reported once, not once per retry
-    assert "recovered" in err
+    stderr = err.text()
+    assert proc.returncode == 0, stderr
+    assert stderr.count("failing") == 1, stderr  # reported once, not once per retry
+    assert "recovered" in stderr
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     scalars = _tb_scalars(fs, tb_url, tmp_path / "tb")
     assert [step for step, _ in scalars["train/loss"]] == [line["step"] for line in lines]
     assert len(lines) == 30
 
 
-def _collect_lines(stream) -> list[str]:
-    """A live copy of a process's output, read by a thread (the list fills as lines arrive)."""
-    import threading
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End every process a start_unifit() command started (its own session), if any is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
-    lines: list[str] = []
 
-    def read() -> None:
+def _wait_for(condition, proc: subprocess.Popen, err: "_LineReader", what: str, timeout: float = 90) -> None:
+    """Poll `condition` until it holds; fail at once if the run ended, or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"{what} (the run ended with exit {proc.returncode}):\n{err.text()}"
+        assert time.monotonic() < deadline, f"{what} within {timeout:g}s:\n{err.text()}"
+        time.sleep(0.1)
+
+
+class _LineReader:
+    """A live copy of a process's output, read by a thread (`lines` fills as lines arrive)."""
+
+    def __init__(self, stream) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
         for line in iter(stream.readline, ""):
-            lines.append(line)
+            self.lines.append(line)
 
-    threading.Thread(target=read, daemon=True).start()
-    return lines
+    def join(self, timeout: float = 30) -> None:
+        """After the process ended: wait until its output is read to the end."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the process's output never ended (a child still holds it open?)"
+
+    def text(self) -> str:
+        return "".join(self.lines)
 
 
 def _exists(fs, path: str) -> bool:
@@ -262,35 +297,46 @@ def test_file_shards_split_by_rank_and_refuse_too_few_files(s3_endpoint, bucket)
 
 def test_unifit_tensorboard_serves_scalars_from_s3(s3_endpoint, bucket, tmp_path):
     """TensorBoard's own HTTP API answers with the scalars a run synced to S3."""
-    import socket
     import urllib.parse
     import urllib.request
 
     run = f"s3://{bucket}/viewed"
     assert_ok(launch_probe("single", run, "--trainer.max_epochs", "3", report_dir=tmp_path, env=s3_endpoint.env))
     lines = _s3_lines(s3_endpoint.fs(), f"{run}/metrics.jsonl")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    board = start_unifit("tensorboard", f"{run}/tensorboard", "--port", str(port), "--refresh-s", "1",
-                         env=s3_endpoint.env)
+    # port 0: TensorBoard binds a free port itself and the command prints its address (no port
+    # picked here and bound there later, which another process could take in between)
+    board = start_unifit("tensorboard", f"{run}/tensorboard", "--port", "0", "--refresh-s", "1", env=s3_endpoint.env)
+    out, err = _LineReader(board.stdout), _LineReader(board.stderr)
     try:
-        base = f"http://127.0.0.1:{port}/data"
-        deadline, runs = time.time() + 90, []
-        while time.time() < deadline and not runs:
-            assert board.poll() is None, board.communicate()
+        _wait_for(lambda: any("TensorBoard at http" in line for line in out.lines), board, err,
+                  "unifit tensorboard never said where it serves")
+        address = next(line for line in out.lines if "TensorBoard at http" in line).split(" at ", 1)[1].split()[0]
+        base = address.rstrip("/") + "/data"
+        runs: list = []
+
+        def listed() -> bool:
+            nonlocal runs
             try:
                 runs = json.loads(urllib.request.urlopen(f"{base}/runs", timeout=5).read())
             except OSError:
-                time.sleep(0.5)
-        assert runs, "TensorBoard listed no runs"
+                pass
+            return bool(runs)
+
+        _wait_for(listed, board, err, "TensorBoard listed no runs")
         query = urllib.parse.urlencode({"run": runs[0], "tag": "train/loss"})
-        deadline, points = time.time() + 60, []
-        while time.time() < deadline and len(points) < 3:
+        points: list = []
+
+        def all_points() -> bool:
+            nonlocal points
             points = json.loads(urllib.request.urlopen(f"{base}/plugin/scalars/scalars?{query}", timeout=5).read())
-            time.sleep(0.5)
+            return len(points) >= 3
+
+        _wait_for(all_points, board, err, "TensorBoard never served the 3 epochs' train/loss", timeout=60)
     finally:
         board.terminate()
-        stop(board, timeout=30)
+        try:
+            board.wait(timeout=30)
+        finally:
+            _kill_group(board)
     assert [p[1] for p in points] == [line["step"] for line in lines]
     assert [p[2] for p in points] == pytest.approx([line["train/loss"] for line in lines], rel=1e-6)
