@@ -193,3 +193,23 @@ def test_errors_that_are_not_the_users_input_keep_their_type_and_place(tmp_path)
     debug = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "2", ckpt="last", timeout=100,
                          env={"UNIFIT_DEBUG": "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+@pytest.mark.timeout(200)
+def test_ckpt_path_auto_starts_fresh_then_continues_and_skips_a_corrupted_newest(tmp_path):
+    from tests.helpers import launch_probe, metrics_lines
+
+    first = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "2", ckpt="auto", timeout=100)
+    assert first.returncode == 0, first.stderr
+    assert "no committed checkpoint in" in first.stderr and "starting fresh" in first.stderr
+    second = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "3", "--trainer.resume", "auto", timeout=100)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stderr and "epoch=0002" in second.stderr
+    newest = tmp_path / "checkpoints" / "epoch=0003-step=0000012" / "state.pt"
+    newest.write_bytes(b"torn write")
+    third = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "4", ckpt="auto", timeout=100)
+    assert third.returncode == 0, third.stderr
+    assert [line for line in third.stderr.splitlines()
+            if "epoch=0003-step=0000012 cannot be read" in line and "previous committed one" in line], third.stderr
+    assert "resumed from" in third.stderr and "epoch=0002-step=0000008" in third.stderr
+    assert [m["epoch"] for m in metrics_lines(tmp_path)] == [1, 2, 3, 4]

@@ -11,6 +11,7 @@ temporary directory and renamed into place; on object stores the marker is writt
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from typing import Any, Callable
@@ -19,6 +20,7 @@ from unifit.errors import CheckpointNotFoundError
 from unifit.storage import filesystem
 
 MARKER = "COMMITTED.json"
+log = logging.getLogger("unifit")
 _NAME = re.compile(r"^epoch=(\d+)-step=(\d+)$")
 
 
@@ -110,6 +112,23 @@ class CheckpointStore:
             if match and self.fs.exists(f"{self.path(name)}/{MARKER}"):
                 found.append((int(match[1]), int(match[2]), name))
         return [name for *_, name in sorted(found)]
+
+    def candidates(self, spec: str) -> list[tuple[Any, str]]:
+        """Where to resume from, in order of preference. 'last': the pointer's checkpoint, then the
+        other committed ones newest first (a checkpoint that cannot be read falls back to the one
+        before); 'auto': the same, or none at all (start fresh); else exactly the one named."""
+        if spec not in ("last", "auto"):
+            return [self.resolve(spec)]
+        names = list(reversed(self.committed()))
+        pointer = self._read_json(self.path("last.json"))
+        if pointer and pointer["name"] in names:
+            names.remove(pointer["name"])
+            names.insert(0, pointer["name"])
+        elif pointer:
+            log.warning("checkpoint %s (last.json) was never committed; skipping it", self.path(pointer["name"]))
+        if not names and spec == "last":
+            self.resolve("last")  # raises the one-line 'no committed checkpoint' error
+        return [(self.fs, self.path(name)) for name in names]
 
     def resolve(self, spec: str) -> tuple[Any, str]:
         """'last', 'best', a checkpoint name, or a path -> (file system, directory) of a committed one."""

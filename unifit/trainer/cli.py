@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
     fit = sub.add_parser("fit", help="train (in this process; under torchrun/horovodrun in each rank)")
     experiment_args(fit)
-    fit.add_argument("--ckpt-path", default=None, help="resume: 'last', 'best', a checkpoint name or directory")
+    fit.add_argument("--ckpt-path", default=None, help="resume: 'auto' (last committed checkpoint, else start fresh), 'last', 'best', a checkpoint name or directory")
     show = sub.add_parser("print-config", help="print the fully resolved config")
     experiment_args(show)
     launch = sub.add_parser("launch", help="start the processes of the configured strategy (torchrun, ...)")

@@ -92,6 +92,7 @@ class TrainerConfig(_Strict):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
     early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
+    resume: str | None = Field(None, description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.")
     callbacks: list[ClassPath] = Field(default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback).")
 
     @field_validator("strategy")

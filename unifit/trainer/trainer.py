@@ -14,7 +14,7 @@ import numpy as np
 
 from unifit._imports import load_object
 from unifit.callbacks.base import Callback
-from unifit.errors import ConfigError, UnifitError
+from unifit.errors import ConfigError, UnifitError, first_line
 from unifit.storage import check_writable, is_remote
 from unifit.strategies import environment, registry
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
@@ -75,9 +75,10 @@ class Trainer:
                 save_checkpoint=self.save_checkpoint, model_files=engine.model_files,
                 extra={"resolved_config": self._resolved_config(module), "store": store})
             self._running["extra"] = ctx.extra
-            if ckpt_path:
-                ctx.extra["last_checkpoint"] = self._resume(ckpt_path)
-                ctx.extra["resumed_from"] = ctx.extra["last_checkpoint"].rstrip("/").rsplit("/", 1)[-1]
+            resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
+            if resumed:
+                ctx.extra["last_checkpoint"] = resumed
+                ctx.extra["resumed_from"] = resumed.rstrip("/").rsplit("/", 1)[-1]
                 state = self.state
                 ctx.state = state
             else:
@@ -193,16 +194,28 @@ class Trainer:
         every = [*default_callbacks(self.config), *user, *self.extra_callbacks]
         return [cb for cb in every if not cb.runs_last] + [cb for cb in every if cb.runs_last]
 
-    def _resume(self, spec: str) -> str:
+    def _resume(self, spec: str) -> str | None:
         """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast).
-        Returns the checkpoint's path."""
+        'last' and 'auto' fall back to the previous committed checkpoint when the newest cannot be
+        read; 'auto' starts fresh when there is none. Returns the checkpoint's path, or None."""
         engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
 
-        def read() -> tuple[dict[str, Any], str]:
-            fs, path = store.resolve(spec)
-            return engine.read_checkpoint(fs, path), path
+        def read() -> tuple[dict[str, Any] | None, str | None]:
+            candidates = store.candidates(spec)
+            for i, (fs, path) in enumerate(candidates):
+                try:
+                    return engine.read_checkpoint(fs, path), path
+                except Exception as exc:
+                    if i + 1 == len(candidates):
+                        raise
+                    log.warning("checkpoint %s cannot be read (%s: %s); using the previous committed one",
+                                path, type(exc).__name__, first_line(exc))
+            log.info("--ckpt-path %s: no committed checkpoint in %s; starting fresh", spec, store.url)
+            return None, None
 
         payload, path = strategy.rank_zero_call(read)
+        if payload is None:
+            return None
         engine.load_state_dict(payload["engine"])
         self.state = TrainState.from_dict(payload["trainer"])
         self.state.should_stop, self.state.stop_reason = False, None
