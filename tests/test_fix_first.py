@@ -213,3 +213,36 @@ def test_ckpt_path_auto_starts_fresh_then_continues_and_skips_a_corrupted_newest
             if "epoch=0003-step=0000012 cannot be read" in line and "previous committed one" in line], third.stderr
     assert "resumed from" in third.stderr and "epoch=0002-step=0000008" in third.stderr
     assert [m["epoch"] for m in metrics_lines(tmp_path)] == [1, 2, 3, 4]
+
+
+class SaveNamed(unifit.Callback):
+    runs_last = True  # after ModelCheckpoint: "final" is the newest save
+
+    def on_epoch_end(self, ctx):
+        if ctx.state.epoch == ctx.config.max_epochs:
+            ctx.save_checkpoint("final")
+
+
+def test_last_follows_a_checkpoint_saved_under_a_custom_name(tmp_path, caplog):
+    _trainer(tmp_path, max_epochs=2, checkpoint={"enabled": True, "every_n_epochs": 1},
+             callbacks=[SaveNamed()]).fit(ProbeModule())
+    assert (tmp_path / "checkpoints" / "final").is_dir()
+    with caplog.at_level("INFO", logger="unifit"):
+        _trainer(tmp_path, max_epochs=3, checkpoint={"enabled": True}).fit(ProbeModule(), ckpt_path="last")
+    assert any("resumed from" in r.message and r.message.split(" (")[0].endswith("/final") for r in caplog.records)
+
+
+def test_nan_guard_flags_a_non_finite_loss_before_the_first_optimizer_step():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from unifit.callbacks.nan_guard import NanGuard
+    from unifit.errors import NonFiniteLossError
+    from unifit.trainer.config import NanGuardConfig
+
+    ctx = SimpleNamespace(rank=0, state=SimpleNamespace(global_step=0), extra={},
+                          finite_probe=lambda loss: (lambda: bool(np.isfinite(loss))), all_reduce_max=lambda a: a)
+    guard = NanGuard(NanGuardConfig(check_every_n_steps=1))
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 0 on rank 0"):
+        guard.on_train_batch_end(ctx, float("nan"), 0)

@@ -129,6 +129,7 @@ def test_mirrored_uneven_last_steps_give_every_replica_a_sample(tmp_path):
     assert metrics["train/index_mean"] == pytest.approx(673.0, rel=1e-6)  # every sample once, weighted by samples
     assert metrics["val/index_mean"] == pytest.approx(128.0, rel=1e-6)
     assert report["global_step"] == 12
+    assert "global batch 256," in result.stdout  # 2 replicas x 128 per step, not processes x 128
 
 
 @pytest.fixture(scope="module")

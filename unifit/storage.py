@@ -74,7 +74,7 @@ def check_writable(url: str, options: dict[str, Any] | None, field: str) -> None
     stop the run before training, with the URL and what to fix. A local directory is created
     (a path under a read-only or virtual file system fails here, in one line)."""
     if not is_remote(url):
-        _check_local_dir(url, field)
+        _check_local_dir(filesystem(url)[1], field)  # as fsspec resolves it: file://, ~
         return
     fs, path = filesystem(url, options)
     probe = f"{path.rstrip('/')}/.unifit-write-check-{uuid.uuid4().hex[:8]}"

@@ -29,16 +29,17 @@ class NanGuard(Callback):
         if (batch_idx + 1) % self.every:
             return
         self._pending.append((ctx.state.global_step, ctx.finite_probe(loss)))
-        bad_step, waiting = 0, []
+        bad_step, waiting = None, []
         for step, probe in self._pending:
             finite = probe()
             if finite is None:
                 waiting.append((step, probe))
-            elif not finite and not bad_step:
+            elif not finite and bad_step is None:
                 bad_step = step
         self._pending = waiting
-        flagged = ctx.all_reduce_max(np.array([float(ctx.rank + 1) if bad_step else 0.0, float(bad_step)]))
-        if flagged[0]:
+        found = bad_step is not None  # step 0 is a step (accumulation: checks before the first optimizer step)
+        flagged = ctx.all_reduce_max(np.array([float(ctx.rank + 1) if found else 0.0, float(bad_step or 0)]))
+        if flagged[0]:  # the highest flagged rank, and the latest step flagged on any rank
             self._stop(ctx, f"non-finite loss at step {int(flagged[1])} on rank {int(flagged[0]) - 1}")
 
     def on_train_epoch_start(self, ctx: Any) -> None:

@@ -40,7 +40,7 @@ class DDPStrategy(TorchDistributedStrategy):
     def _group_ready(self) -> bool:
         import torch.distributed as dist
 
-        return dist.is_initialized()
+        return dist.is_initialized() and self.env.source != "none"
 
     def setup(self) -> None:
         import torch.distributed as dist
@@ -87,6 +87,10 @@ class DDPStrategy(TorchDistributedStrategy):
 
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        elif dist.is_initialized():  # the user's group stays; the side groups made for this fit go
+            for group in (self._barrier_group, self._host_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
         self._owns_group = False
         self._barrier_group = self._host_group = None
 

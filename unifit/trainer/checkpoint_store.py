@@ -120,12 +120,16 @@ class CheckpointStore:
         if spec not in ("last", "auto"):
             return [self.resolve(spec)]
         names = list(reversed(self.committed()))
-        pointer = self._read_json(self.path("last.json"))
-        if pointer and pointer["name"] in names:
-            names.remove(pointer["name"])
-            names.insert(0, pointer["name"])
-        elif pointer:
-            log.warning("checkpoint %s (last.json) was never committed; skipping it", self.path(pointer["name"]))
+        try:
+            pointer = self._read_json(self.path("last.json"))
+            name = pointer["name"] if pointer else None
+        except (ValueError, KeyError, TypeError):  # a torn last.json: the listing still knows the checkpoints
+            log.warning("%s cannot be read; using the newest committed checkpoint", self.path("last.json"))
+            name = None
+        if name is not None and self.fs.exists(f"{self.path(name)}/{MARKER}"):  # also a custom save name
+            names = [name] + [n for n in names if n != name]
+        elif name is not None:
+            log.warning("checkpoint %s (last.json) was never committed; skipping it", self.path(name))
         if not names and spec == "last":
             self.resolve("last")  # raises the one-line 'no committed checkpoint' error
         return [(self.fs, self.path(name)) for name in names]

@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("UNIFIT_DEBUG"):
             raise
         frames = traceback.extract_tb(exc.__traceback__)
-        where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+        own = [f for f in frames if "site-packages" not in f.filename] or frames  # the user's or unifit's code
+        where = f" (at {own[-1].filename}:{own[-1].lineno} in {own[-1].name})" if own else ""
         return _exit_with(f"{type(exc).__name__}: {first_line(exc)}{where}; UNIFIT_DEBUG=1 shows the traceback", 1)
 
 

@@ -19,15 +19,18 @@ class _Yaml12Loader(yaml.SafeLoader):
     as a float. This loader resolves scientific notation with or without a dot as float."""
 
 
-_Yaml12Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+class _Yaml12Dumper(yaml.SafeDumper):
+    """Quotes what _Yaml12Loader would read as a float (the string '1e5'), so a saved config reloads the same."""
+
+
+_FLOAT_12 = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
                 |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+                |\.(?:nan|NaN|NAN))$""", re.X)
+for _cls in (_Yaml12Loader, _Yaml12Dumper):
+    _cls.yaml_implicit_resolvers = {k: list(v) for k, v in _cls.yaml_implicit_resolvers.items()}
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
 
 
 def parse_yaml(text: str) -> Any:
@@ -131,4 +134,4 @@ def resolved_yaml(config: ExperimentConfig) -> str:
 
     data = config.model_dump(mode="json")
     data["trainer"]["storage_options"] = redact(data["trainer"]["storage_options"])
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=_Yaml12Dumper, sort_keys=False)
