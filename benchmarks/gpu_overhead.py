@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_modules import lightning_classifier, unifit_classifier  # beside this script
+
 RUNNERS = ("raw", "unifit", "lightning")
 PRECISIONS = ("32-true", "bf16-mixed")
 BATCH = 256
@@ -93,59 +95,27 @@ class _Timer:
 
 
 def run_unifit(steps: int, precision: str, workers: int) -> list[float]:
-    import torch
-    import torch.nn.functional as F
-
     import unifit
 
     net, ds = build(steps)
 
-    class Module(unifit.TrainModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def train_dataset(self):
-            return ds
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
     timer = type("UnifitTimer", (_Timer, unifit.Callback), {})()
     unifit.Trainer(max_epochs=EPOCHS, batch_size=BATCH, accelerator="gpu", precision=precision, num_workers=workers,
                    root_dir="benchmarks/_scratch/unifit", progress_bar=False, checkpoint={"enabled": False},
-                   tensorboard={"enabled": False}, callbacks=[timer]).fit(Module())
+                   tensorboard={"enabled": False}, callbacks=[timer]).fit(unifit_classifier(net, ds))
     return timer.elapsed[1:]
 
 
 def run_lightning(steps: int, precision: str, workers: int) -> list[float]:
     import lightning as L
-    import torch
-    import torch.nn.functional as F
 
     net, ds = build(steps)
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     timer = type("LightningTimer", (_Timer, L.Callback), {})()
     L.Trainer(max_epochs=EPOCHS, accelerator="gpu", devices=1, precision=precision, logger=False,
               enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
               num_sanity_val_steps=0, callbacks=[timer],
-              default_root_dir="benchmarks/_scratch/lightning").fit(Module(), loader(ds, workers))
+              default_root_dir="benchmarks/_scratch/lightning").fit(lightning_classifier(net), loader(ds, workers))
     return timer.elapsed[1:]
 
 

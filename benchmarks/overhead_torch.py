@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_modules import lightning_classifier, unifit_classifier  # beside this script
+
 MODELS = {"mlp": {"steps": 2000, "batch": 64}, "cnn": {"steps": 150, "batch": 64}}
 RUNNERS = ("raw", "unifit", "lightning")
 
@@ -78,59 +80,28 @@ class _Timer:
 
 
 def run_unifit(model: str) -> float:
-    import torch
-    import torch.nn.functional as F
-
     import unifit
 
     net, ds = build(model)
 
-    class Module(unifit.TrainModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def train_dataset(self):
-            return ds
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
     timer = type("UnifitTimer", (_Timer, unifit.Callback), {})()
     unifit.Trainer(max_epochs=1, batch_size=MODELS[model]["batch"], root_dir="benchmarks/_scratch/unifit",
                    progress_bar=False, checkpoint={"enabled": False}, tensorboard={"enabled": False},
-                   callbacks=[timer]).fit(Module())
+                   callbacks=[timer]).fit(unifit_classifier(net, ds))
     return timer.elapsed
 
 
 def run_lightning(model: str) -> float:
     import lightning as L
     import torch
-    import torch.nn.functional as F
 
     net, ds = build(model)
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     timer = type("LightningTimer", (_Timer, L.Callback), {})()
     loader = torch.utils.data.DataLoader(ds, batch_size=MODELS[model]["batch"], shuffle=True)
     L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
               enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-              callbacks=[timer], default_root_dir="benchmarks/_scratch/lightning").fit(Module(), loader)
+              callbacks=[timer], default_root_dir="benchmarks/_scratch/lightning").fit(lightning_classifier(net), loader)
     return timer.elapsed
 
 
