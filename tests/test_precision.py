@@ -3,7 +3,10 @@ exact resume, under real launchers. The GPU variants are in tests/gpu."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from tests.helpers import assert_ok, launch_probe, metrics_lines, reports
 
@@ -17,18 +20,22 @@ STEP_OPTIONS = ("--trainer.gradient_clip_val", "0.5", "--trainer.accumulate_grad
 @pytest.mark.parametrize("strategy, precision", CASES)
 def test_mixed_precision_replicas_agree_track_full_precision_and_resume_exactly(tmp_path, strategy, precision):
     full, mixed, part = tmp_path / "full", tmp_path / "mixed", tmp_path / "part"
-    assert_ok(launch_probe(strategy, full, *STEP_OPTIONS, "--trainer.max_epochs", "4"))
     assert_ok(launch_probe(strategy, mixed, *STEP_OPTIONS, "--trainer.precision", precision,
                            "--trainer.max_epochs", "4"))
     got = reports(mixed)
     assert len({r["weights_sha256"] for r in got}) == 1  # every rank holds the same weights
     assert all(r["metrics"] == got[0]["metrics"] for r in got)
-    ref, low = metrics_lines(full), metrics_lines(mixed)
-    assert [m["train/loss"] for m in low] != [m["train/loss"] for m in ref]  # autocast really ran
+    low = metrics_lines(mixed)
     if precision == "bf16-mixed":  # 8 bits of mantissa: the curve follows full precision loosely
+        assert_ok(launch_probe(strategy, full, *STEP_OPTIONS, "--trainer.max_epochs", "4"))
+        ref = metrics_lines(full)
+        assert [m["train/loss"] for m in low] != [m["train/loss"] for m in ref]  # autocast really ran
         assert [m["val/loss"] for m in low] == pytest.approx([m["val/loss"] for m in ref], rel=0.15, abs=0.05)
-    else:  # the GradScaler starts at 2**16 and skips the overflowing first steps, so float16 lags behind
-        assert low[-1]["val/loss"] < low[0]["val/loss"] / 2 and low[-1]["val/loss"] < 2 * ref[-1]["val/loss"]
+    else:  # the GradScaler starts at 2**16 and skips the overflowing first steps, so float16 lags, but learns
+        assert low[-1]["val/loss"] < low[0]["val/loss"] / 2
+        name = json.loads((mixed / "checkpoints" / "last.json").read_text())["name"]
+        state = torch.load(mixed / "checkpoints" / name / "state.pt", weights_only=True)
+        assert 0 < state["engine"]["precision"]["scaler"]["scale"] < 2.0**16  # the scaler ran and backed off
 
     assert_ok(launch_probe(strategy, part, *STEP_OPTIONS, "--trainer.precision", precision,
                            "--trainer.max_epochs", "2"))
