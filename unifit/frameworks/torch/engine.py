@@ -111,26 +111,21 @@ class TorchEngine(Engine):
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         count = tdata.batch_size_of(batch)
         self.collector.batch_count = count
-        accumulate, precision = self.accumulate, self.precision
-        if accumulate == 1:
-            with precision.autocast():
-                loss = _loss_of(self._forward(batch, batch_idx))
-            precision.backward(loss)
+        accumulate = self.accumulate
+        if accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches:
+            loss = self._forward_backward(batch, batch_idx)
             self._optimizer_step()
         else:
-            boundary = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches
-            if boundary:
-                with precision.autocast():
-                    loss = _loss_of(self._forward(batch, batch_idx))
-                precision.backward(loss / accumulate)
-                self._optimizer_step()
-            else:
-                with self.strategy.no_sync(self.wrapped):
-                    with precision.autocast():
-                        loss = _loss_of(self._forward(batch, batch_idx))
-                    precision.backward(loss / accumulate)
+            with self.strategy.no_sync(self.wrapped):
+                loss = self._forward_backward(batch, batch_idx)
         loss = loss.detach()
         self.collector.add("train/loss", loss, count)
+        return loss
+
+    def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        with self.precision.autocast():
+            loss = _loss_of(self._forward(batch, batch_idx))
+        self.precision.backward(loss / self.accumulate if self.accumulate != 1 else loss)
         return loss
 
     def _optimizer_step(self) -> None:

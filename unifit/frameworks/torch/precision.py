@@ -16,13 +16,16 @@ import torch
 from unifit.errors import ConfigError
 
 
+_PLAIN = contextlib.nullcontext()  # reusable: no per-step allocation in full precision
+
+
 class Precision:
     """Full precision: every hook is plain."""
 
     name = "32-true"
 
     def autocast(self) -> ContextManager[Any]:
-        return contextlib.nullcontext()
+        return _PLAIN
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
