@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from unifit.errors import DistributedError
-from unifit.trainer.metrics import MetricCollector, _agreed_keys
+from unifit.frameworks.metrics import MetricCollector, _agreed_keys
 
 
 class TwoRankWorld:

@@ -26,16 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from unifit.errors import ConfigError, UnifitError
-
-
-def parse_hosts(raw: str) -> list[str]:
-    try:
-        hosts = json.loads(raw)
-    except json.JSONDecodeError:
-        hosts = None
-    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) and h for h in hosts):
-        raise ConfigError(f"SM_HOSTS: received {raw!r}; expected a JSON list of host names like [\"algo-1\", \"algo-2\"]")
-    return hosts
+from unifit.strategies.environment import parse_hosts
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
                                 torch.nn.Tanh(), torch.nn.Linear(256, 10))
     flat = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.05)
-    hierarchical = strategy.prepare_model(copy.deepcopy(model), torch.device("cpu"))
+    hierarchical = strategy.wrap_module(copy.deepcopy(model), torch.device("cpu"))
     worst = 0.0
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + strategy.rank)  # every rank its own data

@@ -25,7 +25,7 @@ class ModelCheckpoint(Callback):
         if state.epoch % cfg.every_n_epochs and not last:
             return
         improved = self._improved(ctx)
-        protected = {ctx.extra["resumed_from"]} if ctx.extra.get("resumed_from") else set()
+        protected = {ctx.resumed_from} if ctx.resumed_from else set()
         best_value = self.best_value
 
         def after_commit(store: Any, name: str) -> None:  # rank 0, once the checkpoint is committed

@@ -51,6 +51,6 @@ class NanGuard(Callback):
             self._stop(ctx, f"non-finite {', '.join(bad)} in epoch {ctx.state.epoch + 1}")
 
     def _stop(self, ctx: Any, what: str) -> None:
-        last = ctx.extra.get("last_checkpoint")
+        last = ctx.last_checkpoint
         kept = f"last good checkpoint: {last}" if last else "no checkpoint was written before it"
         raise NonFiniteLossError(f"training stopped on all ranks: {what}; {kept}; lower the lr or enable gradient_clip_val")

@@ -22,8 +22,8 @@ class RunDirectory(Callback):
 
     def on_setup(self, ctx: Any) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
-        self.fs.pipe_file(f"{self.root}/config.yaml", ctx.extra["resolved_config"].encode())
-        if ctx.extra.get("resumed_from"):  # keep the epochs before the checkpoint, drop any after it
+        self.fs.pipe_file(f"{self.root}/config.yaml", ctx.resolved_config.encode())
+        if ctx.resumed_from:  # keep the epochs before the checkpoint, drop any after it
             try:
                 old = self.fs.cat_file(f"{self.root}/metrics.jsonl").decode().splitlines()
             except FileNotFoundError:

@@ -9,7 +9,7 @@ import numpy as np
 
 from unifit.strategies.base import Strategy
 from unifit.trainer.config import TrainerConfig
-from unifit.trainer.metrics import MetricCollector
+from unifit.frameworks.metrics import MetricCollector
 
 
 class Engine(ABC):

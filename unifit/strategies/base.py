@@ -1,8 +1,9 @@
 """The small Strategy core every distribution strategy implements.
 
 A strategy runs *inside* each process: it knows the rank facts, sets up and tears down
-communication, prepares the model, tells the data layer how to shard, and offers the few
-collectives the Trainer needs. Collectives take and return NumPy arrays or picklable objects
+communication, writes and reads checkpoints, and offers the few collectives the Trainer needs.
+What it does to train a module of one framework is a mixin beside this file (torch_training.py,
+keras_training.py), so this core names no framework. Collectives take and return NumPy arrays or picklable objects
 so callbacks stay framework-neutral; at world size 1 they return their input (one code path).
 Starting the processes is a launcher's job (see `launchers/`), not the strategy's.
 """
@@ -31,6 +32,8 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = NoOptions
+    # how `unifit launch` starts its processes (registered strategies name theirs in the registry)
+    launcher: ClassVar[str] = "unifit.strategies.launchers.base:SingleProcessLauncher"
 
     def __init__(self, env: ClusterEnvironment, *, framework: str = "torch", accelerator: str = "auto",
                  collective_timeout_s: float = 300.0, options: dict[str, Any] | None = None) -> None:
@@ -69,33 +72,6 @@ class Strategy(ABC):
     def teardown(self) -> None:
         """Release what setup made; safe to call after a failed setup."""
 
-    # ---- model ----------------------------------------------------------------------------
-    def prepare_model(self, model: Any, device: Any) -> Any:
-        """Wrap the model for gradient synchronisation (identity by default)."""
-        return model
-
-    def no_sync(self, wrapped_model: Any) -> ContextManager[Any]:
-        """Context that skips gradient sync for accumulation micro-batches."""
-        return contextlib.nullcontext()
-
-    # ---- optimizer-level synchronisation (strategies that reduce gradients themselves) --------
-    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
-        """Wrap a torch optimizer so its step averages gradients (identity by default); the model
-        is already prepared and holds its initial state, which a strategy may broadcast here."""
-        return optimizer
-
-    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
-        """Context around gradient clipping and optimizer.step(): gradients are averaged on entry."""
-        return contextlib.nullcontext()
-
-    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
-        """Average a TensorFlow replica's gradients across processes, inside the compiled step
-        (identity where tf.distribute already does it)."""
-        return grads
-
-    def broadcast_variables(self, variables: list[Any]) -> None:
-        """Give every process rank 0's values of these TensorFlow variables (no-op by default)."""
-
     def collective_guard(self, what: str) -> ContextManager[Any]:
         """Around a step that waits on other ranks (a compiled step with an allreduce inside): a
         strategy whose library can wait forever ends it after collective_timeout_s."""
@@ -116,6 +92,20 @@ class Strategy(ABC):
 
     def barrier(self, name: str) -> None:
         """Every rank must reach the barrier `name`; one that does not makes it fail, not hang."""
+
+    # ---- state IO ------------------------------------------------------------------------
+    def save_checkpoint(self, snapshot: Callable[[bool], dict[str, bytes]],
+                        commit: Callable[[dict[str, bytes]], None]) -> None:
+        """One writer: every rank takes the snapshot (it may run collectives; its argument says
+        whether this rank writes), rank 0 commits the files. A sharded strategy overrides this so
+        every rank writes its own shards."""
+        files = snapshot(self.is_global_zero)
+        if self.is_global_zero:
+            commit(files)
+
+    def load_checkpoint(self, read: Callable[[], Any]) -> Any:
+        """Rank 0 reads the checkpoint (it may be on rank 0's disk only), every rank receives it."""
+        return self.rank_zero_call(read)
 
     def rank_zero_call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on rank 0 only and give every rank its result, or raise its error on every rank."""

@@ -13,8 +13,9 @@ from typing import Any, ContextManager, Literal
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
 from unifit.errors import DistributedError, first_line
-from unifit.frameworks.torch.device import torch_device
+from unifit.strategies.torch_device import torch_device
 from unifit.strategies.base import TorchDistributedStrategy
+from unifit.strategies.torch_training import TorchTraining
 
 log = logging.getLogger("unifit")
 
@@ -30,7 +31,7 @@ class DDPOptions(BaseModel):
     static_graph: bool = False
 
 
-class DDPStrategy(TorchDistributedStrategy):
+class DDPStrategy(TorchDistributedStrategy, TorchTraining):
     name = "ddp"
     Options = DDPOptions
 
@@ -94,14 +95,15 @@ class DDPStrategy(TorchDistributedStrategy):
         self._owns_group = False
         self._barrier_group = self._host_group = None
 
-    def prepare_model(self, model: Any, device: Any) -> Any:
+    def wrap_module(self, step_module: Any, device: Any) -> Any:
+        """DistributedDataParallel: broadcasts rank 0's parameters, averages gradients in backward."""
         if not self._group_ready():
-            return model
+            return step_module
         from torch.nn.parallel import DistributedDataParallel
 
         opts = self.options
         ddp = DistributedDataParallel(
-            model,
+            step_module,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=opts.find_unused_parameters,
             bucket_cap_mb=opts.bucket_cap_mb,
@@ -114,10 +116,10 @@ class DDPStrategy(TorchDistributedStrategy):
     def _register_comm_hook(self, ddp: Any) -> None:
         """Strategies built on ddp (smddp-like) replace the gradient allreduce here."""
 
-    def no_sync(self, wrapped_model: Any) -> ContextManager[Any]:
+    def accumulating(self, wrapped: Any) -> ContextManager[Any]:
         if not self._group_ready():
-            return super().no_sync(wrapped_model)
-        return wrapped_model.no_sync()
+            return super().accumulating(wrapped)
+        return wrapped.no_sync()
 
     def barrier(self, name: str) -> None:
         if not self._group_ready():

@@ -83,8 +83,6 @@ def from_open_mpi(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
     rank = _int(env, "OMPI_COMM_WORLD_RANK", 0)
     master = env.get("MASTER_ADDR")
     if not master and env.get("SM_HOSTS"):
-        from unifit.sagemaker import parse_hosts
-
         master = parse_hosts(env["SM_HOSTS"])[0]
     return ClusterEnvironment(
         rank=rank, world_size=world, local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
@@ -130,3 +128,18 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnvironment:
         if found is not None:
             return found
     return ClusterEnvironment()
+
+
+def parse_hosts(raw: str) -> list[str]:
+    """SageMaker's SM_HOSTS (a JSON list of host names)."""
+    import json
+
+    from unifit.errors import ConfigError
+
+    try:
+        hosts = json.loads(raw)
+    except json.JSONDecodeError:
+        hosts = None
+    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) and h for h in hosts):
+        raise ConfigError(f"SM_HOSTS: received {raw!r}; expected a JSON list of host names like [\"algo-1\", \"algo-2\"]")
+    return hosts

@@ -1,7 +1,8 @@
 """Strategy names -> where they live, which frameworks they run, and how they are launched.
 
 Entries are dotted paths so torch, TensorFlow and Horovod are imported only when the strategy
-is used. Adding a strategy means adding one line here and one file beside this one.
+is used. Adding a strategy means adding one line here and one file beside this one; a strategy of your own
+needs neither: name its class path (`trainer.strategy: pkg.module:MyStrategy`).
 """
 
 from __future__ import annotations
@@ -60,22 +61,37 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def check_name(name: str) -> str:
-    """Return `name` if registered, else raise an error that lists the valid names."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy '{name}'; valid strategies: {', '.join(_REGISTRY)}")
-    return name
-
-
 def entry(name: str) -> StrategyEntry:
-    try:
-        return _REGISTRY[check_name(name)]
-    except ValueError as exc:
-        raise ConfigError(f"trainer.strategy: {exc}") from None
+    """The registered strategy `name`, or one made from a Strategy subclass's class path
+    (`pkg.module:MyStrategy`), imported now: user code is importable by the time a Trainer is made."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if "." not in name and ":" not in name:
+        raise ConfigError(f"trainer.strategy: unknown strategy '{name}'; valid strategies: {', '.join(_REGISTRY)}, "
+                          "or the class path of a Strategy subclass (pkg.module:MyStrategy)")
+    return _entry_of_class(name)
+
+
+def _entry_of_class(path: str) -> StrategyEntry:
+    from unifit.strategies.base import Strategy
+    from unifit.strategies.keras_training import KerasTraining
+    from unifit.strategies.torch_training import TorchTraining
+
+    cls = load_object(path, field="trainer.strategy")
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ConfigError(f"trainer.strategy: '{path}' is {cls!r}, not a subclass of unifit.strategies.Strategy; "
+                          "name a registered strategy or your Strategy subclass")
+    frameworks = frozenset({fw for fw, mixin in (("torch", TorchTraining), ("tensorflow", KerasTraining))
+                            if issubclass(cls, mixin)})
+    if not frameworks:
+        raise ConfigError(f"trainer.strategy: {cls.__name__} trains no framework; mix in "
+                          "unifit.strategies.torch_training.TorchTraining and/or keras_training.KerasTraining")
+    return StrategyEntry(path, path, cls.launcher, frameworks, (cls.__doc__ or path).strip().splitlines()[0])
 
 
 def create(name: str, env: "ClusterEnvironment", **kwargs: object) -> "Strategy":
-    cls = load_object(entry(name).strategy, field="trainer.strategy")
+    found = entry(name)
+    cls = load_object(found.strategy, field="trainer.strategy")
     return cls(env, **kwargs)
 
 

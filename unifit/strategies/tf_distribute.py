@@ -27,10 +27,11 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from unifit.errors import ConfigError, DistributedError, error_prefix, first_line
 from unifit.strategies.base import Strategy
+from unifit.strategies.keras_training import KerasTraining
 from unifit.strategies.watchdog import CollectiveWatchdog
 
 
-class TFDistributeStrategy(Strategy):
+class TFDistributeStrategy(Strategy, KerasTraining):
     tf_strategy: Any = None
     watchdog: CollectiveWatchdog | None = None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 
 class _Strict(BaseModel):
@@ -65,7 +65,7 @@ class NanGuardConfig(_Strict):
 class TrainerConfig(_Strict):
     """Everything the Trainer does; `Trainer(**fields)` takes the same names."""
 
-    strategy: str = Field("single", description="Distribution strategy: one of the registered names (single, ddp, ...).")
+    strategy: str = Field("single", description="Distribution strategy: a registered name (single, ddp, smddp-like, horovod, mirrored, mwms) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.")
     strategy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen strategy, validated by that strategy (see its docs page).")
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto uses GPUs when present (one per process, by local rank), else CPU.")
     max_epochs: PositiveInt = Field(10, description="Number of epochs to train.")
@@ -95,13 +95,6 @@ class TrainerConfig(_Strict):
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
     resume: str | None = Field(None, description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.")
     callbacks: list[ClassPath] = Field(default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback).")
-
-    @field_validator("strategy")
-    @classmethod
-    def _known_strategy(cls, name: str) -> str:
-        from unifit.strategies.registry import check_name
-
-        return check_name(name)
 
     @model_validator(mode="after")
     def _one_warmup(self) -> "TrainerConfig":

@@ -1,12 +1,13 @@
-"""FitContext: what callbacks may see and do during a fit (a narrow view, not the Trainer)."""
+"""FitContext: what callbacks may see and do during a fit (a narrow, typed view, not the Trainer)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from unifit.trainer.checkpoint_store import CheckpointStore
 from unifit.trainer.config import TrainerConfig
-from unifit.trainer.state import TrainState
+from unifit.trainer.state import Progress, TrainState
 
 
 @dataclass
@@ -16,15 +17,30 @@ class FitContext:
     module: Any
     rank: int
     world_size: int
-    batches_per_epoch: int
-    global_batch: int  # samples per optimizer step over every replica of every process
     # framework-neutral abilities the Trainer hands over
     finite_probe: Callable[[Any], Callable[[], bool | None]]
     current_lrs: Callable[[], list[float]]
     all_reduce_max: Callable[[Any], Any]
     save_checkpoint: Callable[..., str | None]
     model_files: Callable[[], dict[str, bytes]]
-    extra: dict[str, Any] = field(default_factory=dict)  # resumed_from, etc.
+    # the run
+    resolved_config: str  # the experiment as YAML, saved with the run
+    store: CheckpointStore
+    last_checkpoint: str | None = None  # the newest checkpoint saved or resumed from (same on every rank)
+    resumed_from: str | None = None  # the name of the checkpoint this fit resumed from
+
+    @property
+    def progress(self) -> Progress:
+        return self.state.progress
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.state.progress.batches_per_epoch
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over every replica of every process."""
+        return self.state.progress.global_batch
 
     @property
     def is_global_zero(self) -> bool:

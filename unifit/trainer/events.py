@@ -1,4 +1,4 @@
-"""The events of a fit, in the order they happen, and the one dispatcher that calls callbacks.
+"""The events of a fit, in the order they happen (trainer/dispatcher.py calls the callbacks).
 
 The fit loop, as pseudocode (`Trainer.fit` follows it line by line):
 
@@ -24,10 +24,6 @@ The fit loop, as pseudocode (`Trainer.fit` follows it line by line):
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Sequence
-
-if TYPE_CHECKING:
-    from unifit.callbacks.base import Callback
 
 
 class Event(str, Enum):
@@ -45,25 +41,3 @@ class Event(str, Enum):
     FIT_END = "on_fit_end"
     EXCEPTION = "on_exception"
     TEARDOWN = "on_teardown"
-
-
-class Dispatcher:
-    """Calls callbacks in list order; only callbacks that override a hook are called for it."""
-
-    def __init__(self, callbacks: Sequence["Callback"], context: Any) -> None:
-        from unifit.callbacks.base import Callback
-
-        self.context = context
-        self._handlers: dict[Event, list[Callable[..., None]]] = {
-            event: [getattr(cb, event.value) for cb in callbacks
-                    if getattr(type(cb), event.value) is not getattr(Callback, event.value)]
-            for event in Event
-        }
-
-    def handlers(self, event: Event) -> list[Callable[..., None]]:
-        """The bound hooks for `event` (the loop fetches per-step ones once per epoch)."""
-        return self._handlers[event]
-
-    def __call__(self, event: Event, *args: Any) -> None:
-        for hook in self._handlers[event]:
-            hook(self.context, *args)

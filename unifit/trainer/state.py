@@ -1,4 +1,9 @@
-"""Where training stands; saved in every checkpoint and restored on resume."""
+"""Where training stands: loop time (Progress) and the epoch's results; saved in every checkpoint.
+
+Progress is Composer's typed timestamp for unifit's loop: the loop alone moves it, callbacks read
+it, a checkpoint stores it, so every decision that depends on "when" (checkpoint intervals,
+logging, warmup, a resume) reads the same numbers.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,51 @@ from typing import Any
 
 
 @dataclass
-class TrainState:
+class Progress:
     epoch: int = 0  # epochs completed
-    global_step: int = 0  # optimizer steps taken
-    batch_idx: int = 0  # micro-batch index within the current epoch
-    steps_per_epoch: int = 0  # optimizer steps per epoch on each rank
+    batch_in_epoch: int = 0  # micro-batches of the current epoch done on each rank
+    optimizer_step: int = 0  # optimizer steps taken
+    samples_seen: int = 0  # training samples over all ranks in completed epochs
+    global_batch: int = 0  # samples per optimizer step over every replica of every process
+    batches_per_epoch: int = 0  # micro-batches per epoch on each rank
+    steps_per_epoch: int = 0  # optimizer steps per epoch
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Progress":
+        return cls(**{k: int(v) for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class TrainState:
+    progress: Progress = field(default_factory=Progress)
     metrics: dict[str, float] = field(default_factory=dict)  # last epoch's metrics, averaged over ranks
     should_stop: bool = False
     stop_reason: str | None = None
 
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self.progress.epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+        return self.progress.optimizer_step
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"progress": self.progress.to_dict(), "metrics": dict(self.metrics)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainState":
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+        if "progress" in data:
+            progress = Progress.from_dict(data["progress"])
+        else:  # checkpoints written before Progress existed
+            progress = Progress(epoch=int(data.get("epoch", 0)), optimizer_step=int(data.get("global_step", 0)),
+                                steps_per_epoch=int(data.get("steps_per_epoch", 0)))
+        return cls(progress=progress, metrics=dict(data.get("metrics", {})))
 
     def request_stop(self, reason: str) -> None:
         self.should_stop = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -21,11 +22,24 @@ from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
 from unifit.trainer.committer import Committer
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
 from unifit.trainer.context import FitContext
-from unifit.trainer.events import Dispatcher, Event
+from unifit.trainer.dispatcher import Dispatcher
+from unifit.trainer.events import Event
 from unifit.trainer.loading import resolved_yaml, validate_trainer
-from unifit.trainer.state import TrainState
+from unifit.trainer.state import Progress, TrainState
 
 log = logging.getLogger("unifit")
+
+
+@dataclass
+class _Run:
+    """What one fit() holds while it runs (save_checkpoint and the error path need it)."""
+
+    engine: Any
+    strategy: Any
+    store: CheckpointStore
+    committer: Committer
+    callbacks: list[Callback] = field(default_factory=list)
+    ctx: FitContext | None = None
 
 
 class Trainer:
@@ -42,9 +56,10 @@ class Trainer:
         if config is not None and kwargs:
             raise ConfigError("Trainer(config, **kwargs): pass either a TrainerConfig or keyword arguments, not both")
         self.config = config if config is not None else validate_trainer(kwargs)
+        registry.entry(self.config.strategy)  # a registered name, or a Strategy class path importable now
         self.experiment: ExperimentConfig | None = None  # set by the command line, saved with the run
         self.state = TrainState()
-        self._running: dict[str, Any] | None = None
+        self._run: _Run | None = None
 
     # ---- public API ---------------------------------------------------------------------------
     def fit(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> TrainState:
@@ -64,30 +79,27 @@ class Trainer:
             strategy.rank_zero_call(self._check_storage)  # a bad bucket or credentials stop every rank now
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
-            state.steps_per_epoch = -(-engine.batches_per_epoch // cfg.accumulate_grad_batches)
-            callbacks = self._callbacks()
-            self._running = {"engine": engine, "strategy": strategy, "store": store, "callbacks": callbacks,
-                             "committer": Committer(background=is_remote(cfg.checkpoint_dir))}
-            ctx = FitContext(
+            state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
+            run = self._run = _Run(engine, strategy, store, Committer(background=is_remote(cfg.checkpoint_dir)),
+                                   self._callbacks())
+            ctx = run.ctx = FitContext(
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
-                batches_per_epoch=engine.batches_per_epoch, global_batch=engine.global_batch, finite_probe=engine.finite_probe,
-                current_lrs=engine.current_lrs, all_reduce_max=strategy.all_reduce_max,
-                save_checkpoint=self.save_checkpoint, model_files=engine.model_files,
-                extra={"resolved_config": self._resolved_config(module), "store": store})
-            self._running["extra"] = ctx.extra
+                finite_probe=engine.finite_probe, current_lrs=engine.current_lrs,
+                all_reduce_max=strategy.all_reduce_max, save_checkpoint=self.save_checkpoint,
+                model_files=engine.model_files, resolved_config=self._resolved_config(module), store=store)
             resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
             if resumed:
-                ctx.extra["last_checkpoint"] = resumed
-                ctx.extra["resumed_from"] = resumed.rstrip("/").rsplit("/", 1)[-1]
-                state = self.state
-                ctx.state = state
+                ctx.last_checkpoint = resumed
+                ctx.resumed_from = resumed.rstrip("/").rsplit("/", 1)[-1]
+                state = ctx.state = self.state
             else:
                 engine.seed(cfg.seed + strategy.rank)  # per-rank randomness (dropout, augmentation)
+            callbacks = run.callbacks
             dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
             dispatch(Event.SETUP)
             dispatch(Event.FIT_START)
             self._loop(engine, strategy, dispatch, ctx)
-            self._running["committer"].wait()  # the last checkpoint is committed before fit ends
+            run.committer.wait()  # the last checkpoint is committed before fit ends
             dispatch(Event.FIT_END)
         except BaseException as error:
             self._finish_commits_after(error)
@@ -99,7 +111,7 @@ class Trainer:
                 if dispatch is not None:
                     dispatch(Event.TEARDOWN)
             finally:
-                self._running = None
+                self._run = None
                 module._unifit_collector = None
                 strategy.teardown()
         return state
@@ -110,41 +122,43 @@ class Trainer:
         only fails after trainer.collective_timeout_s instead of hanging). The state is captured
         at once; on a remote store it is committed in the background, then `after_commit(store,
         name)` runs (on rank 0). Returns the checkpoint's path on rank 0."""
-        if self._running is None:
+        run = self._run
+        if run is None or run.ctx is None:
             raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
-        engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
+        engine, strategy, store, state = run.engine, run.strategy, run.store, self.state
         strategy.barrier("save_checkpoint")
         rngs = strategy.all_gather_object(engine.rng_state())
-        state = self.state
         name = name or checkpoint_name(state.epoch, state.global_step)
         path = store.path(name)
-        self._running["extra"]["last_checkpoint"] = path  # the same on every rank
+        run.ctx.last_checkpoint = path  # the same on every rank
         payload = {
             "format": "unifit/1",
             "engine": engine.state_dict(),
             "trainer": state.to_dict(),
             "rng": rngs,
             "world_size": strategy.world_size,
-            "callbacks": {key: cb.state_dict() for key, cb in _state_keys(self._running["callbacks"])},
+            "callbacks": {key: cb.state_dict() for key, cb in _state_keys(run.callbacks)},
         }
-        files = engine.checkpoint_files(payload, writer=strategy.is_global_zero)  # every rank takes part
-        if strategy.is_global_zero:
-            meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
+        meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
 
-            def commit(name: str = name) -> None:
+        def commit(files: dict[str, bytes]) -> None:  # rank 0; in the background on a remote store
+            def write() -> None:
                 store.save(name, lambda fs, d: _write_files(fs, d, files), meta)
                 if after_commit is not None:
                     after_commit(store, name)
 
-            self._running["committer"].submit(commit)
+            run.committer.submit(write)
+
+        strategy.save_checkpoint(lambda writer: engine.checkpoint_files(payload, writer=writer), commit)
         strategy.barrier("checkpoint_saved")
         return path if strategy.is_global_zero else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
-        cfg, state = self.config, ctx.state
-        for epoch in range(state.epoch, cfg.max_epochs):
+        cfg, state, progress = self.config, ctx.state, ctx.state.progress
+        for epoch in range(progress.epoch, cfg.max_epochs):
             engine.collector.reset()
+            progress.batch_in_epoch = 0
             dispatch(Event.TRAIN_EPOCH_START)
             batch_start, batch_end = dispatch.handlers(Event.TRAIN_BATCH_START), dispatch.handlers(Event.TRAIN_BATCH_END)
             started = time.perf_counter()
@@ -152,8 +166,8 @@ class Trainer:
                 for hook in batch_start:
                     hook(ctx, batch, batch_idx)
                 loss = engine.train_step(batch, batch_idx)
-                state.batch_idx = batch_idx
-                state.global_step = engine.optimizer_steps
+                progress.batch_in_epoch = batch_idx + 1
+                progress.optimizer_step = engine.optimizer_steps
                 for hook in batch_end:
                     hook(ctx, loss, batch_idx)
                 if state.should_stop:
@@ -163,6 +177,7 @@ class Trainer:
             # the slowest rank's time, so every rank holds identical metrics
             elapsed = float(strategy.all_reduce_max(np.array([time.perf_counter() - started]))[0])
             samples = engine.collector.last_total("train/loss")
+            progress.samples_seen += int(samples)
             metrics["throughput/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
             metrics.update(_lr_metrics(engine))
             state.metrics = metrics
@@ -177,10 +192,11 @@ class Trainer:
                 dispatch(Event.VALIDATION_END)
             engine.epoch_metrics(state.metrics, validate)
             state.metrics.update(_lr_metrics(engine))  # a metric-driven schedule may have changed them
-            state.epoch = epoch + 1
+            progress.epoch = epoch + 1
+            progress.batch_in_epoch = 0
             dispatch(Event.EPOCH_END)
             if state.should_stop:
-                log.info("stopping after epoch %d: %s", state.epoch, state.stop_reason)
+                log.info("stopping after epoch %d: %s", progress.epoch, state.stop_reason)
                 break
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -198,7 +214,8 @@ class Trainer:
         """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast).
         'last' and 'auto' fall back to the previous committed checkpoint when the newest cannot be
         read; 'auto' starts fresh when there is none. Returns the checkpoint's path, or None."""
-        engine, strategy, store = self._running["engine"], self._running["strategy"], self._running["store"]
+        run = self._run
+        engine, strategy, store = run.engine, run.strategy, run.store
 
         def read() -> tuple[dict[str, Any] | None, str | None]:
             candidates = store.candidates(spec)
@@ -213,14 +230,17 @@ class Trainer:
             log.info("--ckpt-path %s: no committed checkpoint in %s; starting fresh", spec, store.url)
             return None, None
 
-        payload, path = strategy.rank_zero_call(read)
+        payload, path = strategy.load_checkpoint(read)
         if payload is None:
             return None
         engine.load_state_dict(payload["engine"])
-        self.state = TrainState.from_dict(payload["trainer"])
-        self.state.should_stop, self.state.stop_reason = False, None
+        saved_progress = TrainState.from_dict(payload["trainer"])
+        progress = run.ctx.state.progress  # this run's sizes; the position comes from the checkpoint
+        progress.epoch, progress.optimizer_step = saved_progress.progress.epoch, saved_progress.progress.optimizer_step
+        progress.samples_seen = saved_progress.progress.samples_seen
+        self.state = TrainState(progress=progress, metrics=saved_progress.metrics)
         saved = payload.get("callbacks", {})
-        for key, cb in _state_keys(self._running["callbacks"]):
+        for key, cb in _state_keys(run.callbacks):
             cb.load_state_dict(saved.get(key, saved.get(type(cb).__name__, {})))  # older checkpoints: class name
         if payload["world_size"] == strategy.world_size:
             engine.set_rng_state(payload["rng"][strategy.rank])
@@ -234,10 +254,10 @@ class Trainer:
     def _finish_commits_after(self, error: BaseException) -> None:
         """On failure, still finish a pending checkpoint commit (the last good state), reporting
         its own error instead of hiding the one that stopped training."""
-        if self._running is None:
+        if self._run is None:
             return
         try:
-            self._running["committer"].wait()
+            self._run.committer.wait()
         except Exception as exc:
             log.warning("the last checkpoint could not be committed either: %s: %s", type(exc).__name__, exc)
 
@@ -269,6 +289,12 @@ def _state_keys(callbacks: list[Callback]) -> list[tuple[str, Callback]]:
         n = seen[cb.state_key] = seen.get(cb.state_key, 0) + 1
         keyed.append((cb.state_key if n == 1 else f"{cb.state_key}#{n}", cb))
     return keyed
+
+
+def _progress_of(engine: Any, accumulate: int) -> Progress:
+    """A fresh Progress with this run's sizes (the position starts at zero or comes from a checkpoint)."""
+    return Progress(global_batch=engine.global_batch, batches_per_epoch=engine.batches_per_epoch,
+                    steps_per_epoch=-(-engine.batches_per_epoch // accumulate))
 
 
 def _lr_metrics(engine: Any) -> dict[str, float]:

@@ -13,10 +13,11 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch.device import torch_device
+from unifit.strategies.torch_device import torch_device
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import make_precision
-from unifit.trainer.lr_policy import LRPolicy
+from unifit.strategies.torch_training import TorchTraining
+from unifit.frameworks.lr_policy import LRPolicy
 
 # param-group keys and scheduler attributes that hold learning rates, scaled together
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -76,14 +77,17 @@ class TorchEngine(Engine):
         self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
         _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
         self._steps = 0
+        training = self.training = _torch_training(strategy)
         step_module = _StepModule(self.module)
-        self.wrapped = strategy.prepare_model(step_module, self.device)
-        optimizer = strategy.prepare_optimizer(self.optimizer, self.module, self.accumulate)
+        self.wrapped, optimizer = training.setup_module_and_optimizer(
+            step_module, self.optimizer, self.device, self.precision, self.accumulate)
         if optimizer is not self.optimizer and self.scheduler is not None:
             self.scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
         self.optimizer = optimizer
         # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
         self._forward = self.module.training_step if self.wrapped is step_module else self.wrapped
+        if cfg.compile:
+            self._forward = _compiled(self._forward)
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -116,7 +120,7 @@ class TorchEngine(Engine):
             loss = self._forward_backward(batch, batch_idx)
             self._optimizer_step()
         else:
-            with self.strategy.no_sync(self.wrapped):
+            with self.training.accumulating(self.wrapped):
                 loss = self._forward_backward(batch, batch_idx)
         loss = loss.detach()
         self.collector.add("train/loss", loss, count)
@@ -125,26 +129,22 @@ class TorchEngine(Engine):
     def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor:
         with self.precision.autocast():
             loss = _loss_of(self._forward(batch, batch_idx))
-        self.precision.backward(loss / self.accumulate if self.accumulate != 1 else loss)
+        self.training.backward(loss / self.accumulate if self.accumulate != 1 else loss)
         return loss
 
     def _optimizer_step(self) -> None:
-        optimizer, step, precision = self.optimizer, self._steps, self.precision
-        with self.strategy.synchronized_gradients(optimizer):  # clipping sees the averaged gradients
-            if self.config.gradient_clip_val is not None:
-                precision.unscale(optimizer)  # clip the true gradients, not the loss-scaled ones
-                torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clip_val)
-            if step < self.policy.warmup_steps:
-                ramp = self.policy.ramp(step)
-                scheduled = [group["lr"] for group in optimizer.param_groups]
-                for group, lr in zip(optimizer.param_groups, scheduled):
-                    group["lr"] = lr * ramp
-                precision.step(optimizer)
-                for group, lr in zip(optimizer.param_groups, scheduled):
-                    group["lr"] = lr  # the user's scheduler keeps seeing its own values
-            else:
-                precision.step(optimizer)
-        optimizer.zero_grad()  # set_to_none (torch >= 2 default); wrappers like Horovod take no argument
+        """The strategy steps; during warmup at the ramped lr (the user's scheduler keeps its own values)."""
+        optimizer, step, training = self.optimizer, self._steps, self.training
+        if step < self.policy.warmup_steps:
+            ramp = self.policy.ramp(step)
+            scheduled = [group["lr"] for group in optimizer.param_groups]
+            for group, lr in zip(optimizer.param_groups, scheduled):
+                group["lr"] = lr * ramp
+            training.optimizer_step(optimizer, self.module, self.config.gradient_clip_val)
+            for group, lr in zip(optimizer.param_groups, scheduled):
+                group["lr"] = lr
+        else:
+            training.optimizer_step(optimizer, self.module, self.config.gradient_clip_val)
         self._steps = step + 1
         schedule = self.schedule
         if schedule is not None and schedule.interval == "step" and self._steps % schedule.frequency == 0:
@@ -257,6 +257,21 @@ class TorchEngine(Engine):
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
         data = fs.cat_file(f"{directory}/state.pt")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def _torch_training(strategy: Any) -> TorchTraining:
+    if not isinstance(strategy, TorchTraining):
+        raise ConfigError(f"trainer.strategy: {type(strategy).__name__} cannot train PyTorch modules (it does not "
+                          "mix in unifit.strategies.torch_training.TorchTraining); use a strategy that does, e.g. ddp")
+    return strategy
+
+
+def _compiled(forward: Any) -> Any:
+    """trainer.compile: torch.compile of the step's forward (the strategy's wrapper included)."""
+    try:
+        return torch.compile(forward)
+    except RuntimeError as exc:
+        raise ConfigError(f"trainer.compile: torch.compile is not available here ({exc}); set compile: false") from None
 
 
 def _base_validation_step() -> Any:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from unifit.trainer.module import ModuleBase
+from unifit.frameworks.module import ModuleBase
 
 
 class TrainModule(ModuleBase, torch.nn.Module):

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat
 from unifit._imports import load_object
 from unifit.errors import DistributedError, MissingExtraError, error_prefix, first_line
 from unifit.strategies.base import Strategy
+from unifit.strategies.keras_training import KerasTraining
+from unifit.strategies.torch_training import TorchTraining
 from unifit.strategies.watchdog import CollectiveWatchdog
 
 log = logging.getLogger("unifit")
@@ -46,7 +48,7 @@ class Adapter:
     def all_reduce(self, values: np.ndarray, op: str, name: str) -> np.ndarray:
         raise NotImplementedError
 
-    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
+    def wrap_optimizer(self, optimizer: Any, module: Any, accumulate: int) -> Any:
         return optimizer
 
     def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
@@ -68,7 +70,7 @@ class HorovodOptions(BaseModel):
     compression: Literal["none", "fp16"] = "none"  # gradients sent as float16 halve the bytes on the wire
 
 
-class HorovodStrategy(Strategy):
+class HorovodStrategy(Strategy, TorchTraining, KerasTraining):
     name = "horovod"
     Options = HorovodOptions
 
@@ -117,8 +119,8 @@ class HorovodStrategy(Strategy):
         self._started = False
 
     # ---- gradient synchronisation: the adapter's --------------------------------------------
-    def prepare_optimizer(self, optimizer: Any, model: Any, accumulate: int) -> Any:
-        return self.adapter.prepare_optimizer(optimizer, model, accumulate)
+    def wrap_optimizer(self, optimizer: Any, module: Any, accumulate: int) -> Any:
+        return self.adapter.wrap_optimizer(optimizer, module, accumulate)
 
     def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
         return self.adapter.synchronized_gradients(optimizer)

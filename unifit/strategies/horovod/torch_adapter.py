@@ -29,7 +29,7 @@ class TorchHorovod(Adapter):
         hvd = self.hvd
         return hvd.allreduce(torch.from_numpy(values), op=hvd.Sum if op == "sum" else hvd.Max, name=name).numpy()
 
-    def prepare_optimizer(self, optimizer: Any, model: torch.nn.Module, accumulate: int) -> Any:
+    def wrap_optimizer(self, optimizer: Any, model: torch.nn.Module, accumulate: int) -> Any:
         """Every rank starts from rank 0's parameters and buffers; step() averages the gradients,
         every `accumulate` backward passes (Horovod's own accumulation)."""
         hvd = self.strategy.hvd
@@ -44,7 +44,7 @@ class TorchHorovod(Adapter):
     @contextlib.contextmanager
     def synchronized_gradients(self, optimizer: Any) -> Iterator[None]:
         """The averaged gradients are in place on entry, so clipping sees them; step() then skips its sync."""
-        if self.strategy.world_size == 1:  # not wrapped (prepare_optimizer)
+        if self.strategy.world_size == 1:  # not wrapped (wrap_optimizer)
             yield
             return
         with self.strategy.collective("gradient allreduce"):
