@@ -1,4 +1,5 @@
-"""The run directory, written by rank 0: the resolved config and one JSON line per epoch.
+"""The run directory, written by rank 0: the resolved config and one JSON line per epoch
+(with `elapsed_s`, training wall time that continues across resumes, for `unifit plot`).
 
 Works on any fsspec location: metrics.jsonl is rewritten whole each epoch (object stores
 cannot append; the file is one short line per epoch).
@@ -7,6 +8,7 @@ cannot append; the file is one short line per epoch).
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from unifit.callbacks.base import Callback
@@ -19,8 +21,10 @@ class RunDirectory(Callback):
     def __init__(self, root_dir: str, storage_options: dict[str, Any] | None = None) -> None:
         self.fs, self.root = filesystem(root_dir, storage_options)
         self.lines: list[str] = []
+        self._started = 0.0
 
     def on_setup(self, ctx: Any) -> None:
+        self._started = time.monotonic()
         self.fs.makedirs(self.root, exist_ok=True)
         self.fs.pipe_file(f"{self.root}/config.yaml", ctx.resolved_config.encode())
         if ctx.resumed_from:  # keep the epochs before the checkpoint, drop any after it
@@ -29,10 +33,14 @@ class RunDirectory(Callback):
             except FileNotFoundError:
                 old = []
             self.lines = [line for line in old if line and json.loads(line)["epoch"] <= ctx.state.epoch]
+            before = json.loads(self.lines[-1]).get("elapsed_s", 0.0) if self.lines else 0.0
+            self._started -= before
         self._write()
 
     def on_epoch_end(self, ctx: Any) -> None:
-        self.lines.append(json.dumps({"epoch": ctx.state.epoch, "step": ctx.state.global_step, **ctx.state.metrics}))
+        elapsed = round(time.monotonic() - self._started, 3)
+        self.lines.append(json.dumps({"epoch": ctx.state.epoch, "step": ctx.state.global_step, "elapsed_s": elapsed,
+                                      **ctx.state.metrics}))
         self._write()
 
     def _write(self) -> None:

@@ -3,6 +3,7 @@
     unifit fit -c exp.yaml [--trainer.max_epochs 3 ...] [--ckpt-path last]
     unifit print-config -c exp.yaml [overrides]
     unifit launch --nproc-per-node 2 [--nnodes N --node-rank R --rdzv-endpoint H:P] -c exp.yaml [overrides]
+    unifit plot RUN_DIR [RUN_DIR ...] -o curves.png
 
 User errors print one line and exit 2 (1 for failures during training); UNIFIT_DEBUG=1 shows tracebacks.
 """
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     board.add_argument("--port", type=int, default=6006)
     board.add_argument("--refresh-s", type=float, default=10.0, help="seconds between mirror refreshes")
     board.add_argument("--storage-options", default="{}", help="fsspec options as YAML/JSON, e.g. '{endpoint_url: http://...}'")
+    from unifit import plot  # light: matplotlib is imported only when plotting
+
+    plot.add_arguments(sub.add_parser("plot", help="draw the curves of run directories (metrics.jsonl) into a PNG, SVG, PDF or HTML file"))
     return parser
 
 
@@ -76,9 +80,16 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
 
 
 def load_experiment(path: str, overrides: dict[str, str]) -> Any:
+    """The validated experiment; its strategy is checked after the schema, once user code is importable
+    (a strategy may be the class path of the user's own Strategy)."""
+    from unifit.strategies import registry
     from unifit.trainer.loading import apply_overrides, load_yaml, validate_experiment
 
-    return validate_experiment(apply_overrides(load_yaml(path), overrides), source=path)
+    experiment = validate_experiment(apply_overrides(load_yaml(path), overrides), source=path)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # let class paths name modules of the working directory
+    registry.entry(experiment.trainer.strategy)
+    return experiment
 
 
 def _fit(args: argparse.Namespace, overrides: dict[str, str]) -> int:
@@ -86,7 +97,6 @@ def _fit(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     from unifit.trainer.trainer import Trainer
 
     experiment = load_experiment(args.config, overrides)
-    sys.path.insert(0, os.getcwd())  # let class paths name modules of the working directory
     trainer = Trainer(experiment.trainer)
     trainer.experiment = experiment
     module_cls = load_object(experiment.module.class_path, field="module.class_path")
@@ -156,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stderr()
     args, extra = _parser().parse_known_args(argv)
     try:
-        overrides = parse_overrides(extra) if args.command != "tensorboard" else {}
+        overrides = parse_overrides(extra) if args.command not in ("tensorboard", "plot") else {}
+        if args.command == "plot":
+            from unifit.plot import run_command
+
+            return run_command(args, extra)
         if args.command == "print-config":
             from unifit.trainer.loading import resolved_yaml
 

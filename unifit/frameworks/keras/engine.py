@@ -29,7 +29,7 @@ from unifit.errors import ConfigError  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
-from unifit.trainer.lr_policy import LRPolicy  # noqa: E402
+from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
 
 _TF_PREFIX = "tf/"
 

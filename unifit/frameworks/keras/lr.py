@@ -1,4 +1,4 @@
-"""The LR policy (trainer/lr_policy.py) as a Keras schedule: the user's rate or schedule, scaled,
+"""The LR policy (frameworks/lr_policy.py) as a Keras schedule: the user's rate or schedule, scaled,
 with the gradual warmup ramp, evaluated at the optimizer's step inside the compiled step."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from unifit.errors import ConfigError
-from unifit.trainer.lr_policy import LRPolicy
+from unifit.frameworks.lr_policy import LRPolicy
 
 
 class ScaledWarmup(keras.optimizers.schedules.LearningRateSchedule):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unifit.trainer.module import ModuleBase
+from unifit.frameworks.module import ModuleBase
 
 
 class KerasModule(ModuleBase):
