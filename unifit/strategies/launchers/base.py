@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from unifit.errors import ConfigError
 
@@ -35,12 +40,71 @@ class Launcher(ABC):
         """The command that starts every process of this node."""
 
     def launch(self, spec: LaunchSpec) -> int:
-        return subprocess.call(self.command(spec))
+        return subprocess.call(self.command(spec), env=rank_environment())
 
 
 def fit_command(spec: LaunchSpec) -> list[str]:
     """What each started process runs."""
     return ["-m", "unifit", "fit", *spec.fit_args]
+
+
+# How `unifit launch` tells the processes it starts about the terminal it runs in. A launcher may
+# hand its ranks pipes instead of the terminal (horovodrun prefixes every line, `[0]<stderr>:`,
+# and starts them in a new session, without a controlling terminal), so rank 0 could not see
+# that a progress bar is wanted, nor draw one that is not mangled on the way.
+TTY_ENV = "UNIFIT_TTY"                # the device the launcher's stderr is on (/dev/pts/3); or 1 / 0 set by the user
+TTY_HOST_ENV = "UNIFIT_TTY_HOST"      # the host that device is on (a rank elsewhere draws no bar)
+TTY_STDOUT_ENV = "UNIFIT_TTY_STDOUT"  # "1": the launcher's stdout is that terminal too
+TTY_KEYS = (TTY_ENV, TTY_HOST_ENV, TTY_STDOUT_ENV)
+
+
+def terminal_of(stream: Any) -> str | None:
+    """The terminal device a stream writes to, or None (a pipe, a file, no fileno)."""
+    try:
+        fd = stream.fileno()
+        return os.ttyname(fd) if os.isatty(fd) else None
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def rank_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (os.environ) with the UNIFIT_TTY variables for the ranks: set when this process's
+    stderr is a terminal, removed when not (a value inherited from an outer launch is stale);
+    a user's own UNIFIT_TTY=1 (always a bar) or 0 (never) passes through unchanged."""
+    env = dict(os.environ if base is None else base)
+    if env.get(TTY_ENV) in ("0", "1"):
+        return env
+    for key in TTY_KEYS:
+        env.pop(key, None)
+    device = terminal_of(sys.stderr)
+    if device:
+        env[TTY_ENV] = device
+        env[TTY_HOST_ENV] = socket.gethostname()
+        if terminal_of(sys.stdout) == device:
+            env[TTY_STDOUT_ENV] = "1"
+    return env
+
+
+@contextmanager
+def terminal_announced() -> Iterator[None]:
+    """For launchers that start the ranks from this process with os.environ (torchrun, horovodrun):
+    the UNIFIT_TTY variables in os.environ while they run, the previous values afterwards."""
+    saved = {key: os.environ.get(key) for key in TTY_KEYS}
+    env = rank_environment()
+    for key in TTY_KEYS:
+        _set_env(key, env.get(key))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            _set_env(key, value)
+
+
+def _set_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 class SingleProcessLauncher(Launcher):

@@ -12,7 +12,7 @@ import re
 import sys
 
 from unifit.errors import ConfigError
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, terminal_announced
 
 
 class HorovodrunLauncher(Launcher):
@@ -39,7 +39,10 @@ class HorovodrunLauncher(Launcher):
 
         argv, sys.argv = sys.argv, ["horovodrun", *self.horovodrun_args(spec)]
         try:
-            run_commandline()
+            # the ranks get pipes (each line prefixed, `[0]<stderr>:`) in a session of their own; rank 0
+            # draws its bar and epoch lines on the terminal named by UNIFIT_TTY instead (callbacks/progress.py)
+            with terminal_announced():
+                run_commandline()
         except RuntimeError as exc:  # horovodrun stopped the other ranks after the first failure
             found = re.search(r"Process name: (\S+)\s+Exit code: (-?\d+)", str(exc))
             rank, code = (found.group(1), int(found.group(2))) if found else ("?", 1)

@@ -9,14 +9,13 @@ the workers it starts. When one worker fails, the others are stopped, so nothing
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, rank_environment
 
 
 def _free_ports(count: int) -> list[int]:
@@ -46,9 +45,10 @@ class TFConfigLauncher(Launcher):
     def launch(self, spec: LaunchSpec) -> int:
         workers, mine = self.cluster(spec)
         procs = []
+        base = rank_environment()  # the workers inherit this terminal; UNIFIT_TTY says so all the same
         for index in mine:
             tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-            env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+            env = {**base, "TF_CONFIG": json.dumps(tf_config)}
             procs.append(subprocess.Popen(self.command(spec), env=env))
         return _wait_all(procs)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, terminal_announced
 
 
 class TorchrunLauncher(Launcher):
@@ -36,7 +36,8 @@ class TorchrunLauncher(Launcher):
 
         args = get_args_parser().parse_args(self.torchrun_args(spec))
         try:
-            run(args)
+            with terminal_announced():  # the ranks inherit this terminal; UNIFIT_TTY says so all the same
+                run(args)
         except ChildFailedError as exc:
             codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
             failed = ", ".join(f"rank {rank} exit {code}" for rank, code in codes.items())
