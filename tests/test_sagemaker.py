@@ -192,3 +192,33 @@ def test_environment_maps_onto_the_config():
         "trainer.export_dir": "/opt/ml/model",
         "trainer.root_dir": "/opt/ml/output/data/runs/x",
     }
+
+
+def test_managed_spot_checkpoints_resume_by_themselves(tmp_path):
+    """With checkpoint_s3_uri set, SageMaker syncs /opt/ml/checkpoints: unifit checkpoints there and
+    resumes from whatever SageMaker restored into it (a restarted spot job continues)."""
+    env = {"SM_HOSTS": '["algo-1"]', "SM_CURRENT_HOST": "algo-1", "UNIFIT_SM_CHECKPOINT_DIR": str(tmp_path)}
+    sm = SageMakerEnvironment.detect(env)
+    assert sm.overrides({"trainer": {"root_dir": "runs/x"}}) == {
+        "trainer.checkpoint.dir": str(tmp_path), "trainer.resume": "auto"}
+    assert sm.overrides({"trainer": {"checkpoint": {"dir": "runs/ckpt"}}}) == {  # relative: not kept past the job
+        "trainer.checkpoint.dir": str(tmp_path), "trainer.resume": "auto"}
+    # the user's own choices win
+    assert sm.overrides({"trainer": {"checkpoint": {"dir": "s3://b/c"}, "resume": "last"}}) == {}
+    assert sm.overrides({"trainer": {"resume": "best"}}) == {"trainer.checkpoint.dir": str(tmp_path)}
+    # no checkpoint directory (checkpoint_s3_uri not set): nothing changes
+    assert SageMakerEnvironment.detect({**env, "UNIFIT_SM_CHECKPOINT_DIR": str(tmp_path / "absent")}).overrides({}) == {}
+
+
+@pytest.mark.timeout(400)
+def test_restarted_spot_job_continues_from_the_synced_checkpoints(tmp_path):
+    checkpoints = tmp_path / "opt-ml-checkpoints"
+    checkpoints.mkdir()
+    env = {"UNIFIT_SM_CHECKPOINT_DIR": str(checkpoints)}
+    hp = {k: v for k, v in FAST.items() if k != "trainer.checkpoint.dir"}
+    first = _finish([_toolkit(tmp_path / "job1", ["algo-1"], "algo-1", {**hp, "trainer.max_epochs": 2}, env=env)])[0]
+    assert "starting fresh" in first, first[-3000:]
+    assert json.loads((checkpoints / "last.json").read_text())["name"].startswith("epoch=0002")
+    second = _finish([_toolkit(tmp_path / "job2", ["algo-1"], "algo-1", hp, env=env)])[0]  # the restarted job
+    assert "resumed from" in second and "epoch=0002" in second, second[-3000:]
+    _check_trained(tmp_path / "job2", 1, second)

@@ -46,3 +46,13 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception from a library (gloo, Horovod), for a one-line error."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Preempted(UnifitError):
+    """A rank received SIGTERM or SIGINT: every rank stopped at the same step (after committing a
+    checkpoint) and exits with 128 + the signal's number, the shell's code for "ended by that signal"."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum

@@ -38,6 +38,8 @@ class SageMakerEnvironment:
     model_dir: str | None = None
     output_data_dir: str | None = None
     channels: dict[str, str] = field(default_factory=dict)
+    # where SageMaker syncs checkpoint_s3_uri (managed spot training); present only when the estimator set it
+    checkpoint_dir: str | None = None
 
     @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> "SageMakerEnvironment | None":
@@ -49,9 +51,11 @@ class SageMakerEnvironment:
         if current not in hosts:
             raise ConfigError(f"SM_CURRENT_HOST: received {current!r}, which is not in SM_HOSTS {hosts}")
         channels = {k[len("SM_CHANNEL_"):].lower(): v for k, v in env.items() if k.startswith("SM_CHANNEL_")}
+        checkpoints = env.get("UNIFIT_SM_CHECKPOINT_DIR", SPOT_CHECKPOINT_DIR)
         return cls(hosts=hosts, current_host=current, num_gpus=int(env.get("SM_NUM_GPUS") or 0),
                    num_cpus=int(env.get("SM_NUM_CPUS") or 1), model_dir=env.get("SM_MODEL_DIR"),
-                   output_data_dir=env.get("SM_OUTPUT_DATA_DIR"), channels=channels)
+                   output_data_dir=env.get("SM_OUTPUT_DATA_DIR"), channels=channels,
+                   checkpoint_dir=checkpoints if os.path.isdir(checkpoints) else None)
 
     @property
     def node_rank(self) -> int:
@@ -67,13 +71,25 @@ class SageMakerEnvironment:
         trainer = config.get("trainer") or {}
         if self.model_dir and not trainer.get("export_dir"):
             out["trainer.export_dir"] = self.model_dir
+        own = (trainer.get("checkpoint") or {}).get("dir")
+        if self.checkpoint_dir and (not own or ("://" not in own and not os.path.isabs(own))):
+            # SageMaker restores this directory from checkpoint_s3_uri when a spot job restarts: resume from it
+            # (a relative checkpoint dir would go to the output dir, uploaded only when the job ends)
+            out["trainer.checkpoint.dir"] = self.checkpoint_dir
+            if not trainer.get("resume"):
+                out["trainer.resume"] = "auto"
         locations = {"trainer.root_dir": trainer.get("root_dir", "runs/default"),
                      "trainer.checkpoint.dir": (trainer.get("checkpoint") or {}).get("dir"),
                      "trainer.tensorboard.log_dir": (trainer.get("tensorboard") or {}).get("log_dir")}
         for key, path in locations.items():
+            if key in out:
+                continue
             if self.output_data_dir and path and "://" not in path and not os.path.isabs(path):
                 out[key] = posixpath.join(self.output_data_dir, path)
         return out
+
+
+SPOT_CHECKPOINT_DIR = "/opt/ml/checkpoints"  # the estimator's checkpoint_local_path default
 
 
 def _in_channel(original: Any, channel_dir: str) -> Any:

@@ -128,3 +128,42 @@ class SlowEpochs(unifit.Callback):
         import time
 
         time.sleep(self.seconds)
+
+
+class SignalAt(unifit.Callback):
+    """Sends `signum` to this process (rank `rank` only) after batch `batch` of the second epoch: a
+    preemption notice that arrives mid-epoch on one rank."""
+
+    def __init__(self, rank: int = 0, batch: int = 1, signum: int = 15) -> None:
+        self.rank, self.batch, self.signum = rank, batch, signum
+
+    def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
+        p = ctx.progress
+        if ctx.rank == self.rank and p.epoch == 1 and p.batch_in_epoch == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
+class KillOnce(unifit.Callback):
+    """kill -9 of rank `rank` after batch `batch` of the second epoch, the first time only (a marker
+    file remembers), so a restarted job runs through."""
+
+    def __init__(self, marker: str, rank: int = 1, batch: int = 1) -> None:
+        self.marker, self.rank, self.batch = marker, rank, batch
+
+    def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
+        p = ctx.progress
+        if ctx.rank == self.rank and p.epoch == 1 and p.batch_in_epoch == self.batch and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), 9)
+
+
+class SlowSteps(unifit.Callback):
+    """Makes every batch take a while, so a test can signal a run that is in the middle of training."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
+        import time
+
+        time.sleep(self.seconds)

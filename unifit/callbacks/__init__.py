@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from unifit.callbacks.base import Callback
-from unifit.callbacks.checkpoint import ModelCheckpoint
+from unifit.callbacks.checkpoint import IntervalCheckpoint, ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
 from unifit.callbacks.nan_guard import NanGuard
+from unifit.callbacks.preemption import Preemption
 from unifit.callbacks.progress import EpochSummary, ProgressBar
 from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.tensorboard import TensorBoardLogger
 from unifit.trainer.config import TrainerConfig
 
-__all__ = ["Callback", "ModelCheckpoint", "EarlyStopping", "EpochSummary", "ModelExport", "NanGuard", "ProgressBar", "RunDirectory",
+__all__ = ["Callback", "IntervalCheckpoint", "ModelCheckpoint", "Preemption", "EarlyStopping", "EpochSummary", "ModelExport", "NanGuard", "ProgressBar", "RunDirectory",
            "TensorBoardLogger", "default_callbacks"]
 
 
@@ -24,7 +25,10 @@ def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
     if cfg.early_stopping is not None:
         callbacks.append(EarlyStopping(cfg.early_stopping))
     if cfg.checkpoint.enabled:
-        callbacks.append(ModelCheckpoint(cfg.checkpoint))
+        intervals = cfg.checkpoint.every_n_steps is not None or cfg.checkpoint.every_n_minutes is not None
+        callbacks.append((IntervalCheckpoint if intervals else ModelCheckpoint)(cfg.checkpoint))
+    if cfg.preemption.enabled:
+        callbacks.append(Preemption(cfg.preemption, save=cfg.preemption.checkpoint and cfg.checkpoint.enabled))
     if cfg.tensorboard.enabled:
         tb = cfg.tensorboard
         callbacks.append(TensorBoardLogger(

@@ -1,9 +1,13 @@
-"""Checkpoint every N epochs on rank 0, keep the last N, track the best by a monitored metric."""
+"""Checkpoint every N epochs (and every N optimizer steps or M minutes) on rank 0, keep the last N,
+track the best by a monitored metric."""
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
+
+import numpy as np
 
 from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError
@@ -24,7 +28,10 @@ class ModelCheckpoint(Callback):
         last = state.epoch == ctx.config.max_epochs or state.should_stop
         if state.epoch % cfg.every_n_epochs and not last:
             return
-        improved = self._improved(ctx)
+        self._save(ctx, self._improved(ctx))
+
+    def _save(self, ctx: Any, improved: bool = False) -> None:
+        cfg = self.config
         protected = {ctx.resumed_from} if ctx.resumed_from else set()
         best_value = self.best_value
 
@@ -56,3 +63,44 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_value = state.get("best_value")
+
+
+class IntervalCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that also saves mid-epoch: every `every_n_steps` optimizer steps, and when
+    `every_n_minutes` passed on rank 0's clock (all ranks agree every 10 optimizer steps, one tiny
+    all-reduce). Decisions fall on optimizer-step boundaries, so no accumulated gradient is lost."""
+
+    AGREE_EVERY = 10
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        super().__init__(config)
+        self._seen_step = -1
+        self._last_save = time.monotonic()
+
+    @property
+    def state_key(self) -> str:
+        return "ModelCheckpoint"  # the same state, whichever of the two saves it
+
+    def on_fit_start(self, ctx: Any) -> None:
+        self._seen_step, self._last_save = ctx.progress.optimizer_step, time.monotonic()
+
+    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
+        step = ctx.progress.optimizer_step
+        if step == self._seen_step:  # an accumulation micro-batch: no optimizer step happened
+            return
+        self._seen_step = step
+        cfg = self.config
+        due = cfg.every_n_steps is not None and step % cfg.every_n_steps == 0
+        if cfg.every_n_minutes is not None and step % self.AGREE_EVERY == 0 and not due:
+            late = ctx.is_global_zero and time.monotonic() - self._last_save >= 60 * cfg.every_n_minutes
+            due = bool(ctx.all_reduce_max(np.array([1.0 if late else 0.0]))[0])
+        if due:
+            self._save(ctx)
+
+    def on_epoch_end(self, ctx: Any) -> None:
+        super().on_epoch_end(ctx)
+        self._seen_step = ctx.progress.optimizer_step
+
+    def _save(self, ctx: Any, improved: bool = False) -> None:
+        super()._save(ctx, improved)
+        self._last_save = time.monotonic()

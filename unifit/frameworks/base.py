@@ -53,8 +53,9 @@ class Engine(ABC):
     def optimizer_steps(self) -> int: ...
 
     @abstractmethod
-    def train_batches(self, epoch: int) -> Iterable[Any]:
-        """This rank's shard of epoch `epoch`, as device batches."""
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterable[Any]:
+        """This rank's shard of epoch `epoch`, as device batches, starting after its first `skip`
+        batches (a mid-epoch resume: they are skipped without being loaded)."""
 
     @abstractmethod
     def train_step(self, batch: Any, batch_idx: int) -> Any:

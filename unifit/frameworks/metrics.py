@@ -38,6 +38,17 @@ class MetricCollector:
         entry[0].append(value)
         entry[1].append(count)
 
+    def state_dict(self) -> dict[str, tuple[list[float], list[int]]]:
+        """The phase so far as numbers (a mid-epoch checkpoint): each entry's mean and its count."""
+        out = {}
+        for name, (values, counts) in self._entries.items():
+            means = self._to_numpy(values).astype(np.float64).reshape(len(counts), -1).mean(axis=1)
+            out[name] = ([float(v) for v in means], list(counts))
+        return out
+
+    def load_state_dict(self, state: dict[str, tuple[list[float], list[int]]]) -> None:
+        self._entries = {name: (list(values), list(counts)) for name, (values, counts) in state.items()}
+
     def latest(self, name: str) -> Any:
         entry = self._entries.get(name)
         return entry[0][-1] if entry else None

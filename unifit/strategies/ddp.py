@@ -77,11 +77,27 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         return "nccl" if device.type == "cuda" else "gloo"
 
     def _init_kwargs(self) -> dict[str, Any]:
-        """Rendezvous: torchrun's env://, or the rank facts another launcher (mpirun) gave."""
+        """Rendezvous: torchrun's store, or the rank facts another launcher (mpirun) gave."""
         if self.env.source == "torchrun":
-            return {}
+            return self._torchrun_store()
         return {"init_method": f"tcp://{self.env.master_addr}:{self.env.master_port}",
                 "rank": self.rank, "world_size": self.world_size}
+
+    def _torchrun_store(self) -> dict[str, Any]:
+        """torchrun's store, its keys prefixed by the restart attempt: after `--max-restarts` restarts
+        the ranks, the agent's store still holds the last attempt's addresses, and gloo would connect to
+        the dead ranks (torch 2.13: connectFullMesh 'Connection refused' in the restarted group)."""
+        import os
+
+        import torch.distributed as dist
+
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves it (env://)
+        store = dist.TCPStore(self.env.master_addr, self.env.master_port, self.world_size,
+                              is_master=not agent_store and self.rank == 0,
+                              timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return {"store": dist.PrefixStore(f"unifit/attempt_{attempt}", store), "rank": self.rank,
+                "world_size": self.world_size}
 
     def teardown(self) -> None:
         import torch.distributed as dist

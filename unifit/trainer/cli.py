@@ -48,7 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=None)
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
     launch.add_argument("--hosts", default=None, help="comma-separated hosts, for mwms workers on several hosts")
-    launch.add_argument("--ckpt-path", default=None)
+    launch.add_argument("--ckpt-path", default=None, help="as for fit; with --max-restarts the default is 'auto'")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart every rank this many times after one fails, resuming from the last committed "
+                             "checkpoint (torchrun's elastic agent: ddp, smddp-like)")
     board = sub.add_parser("tensorboard", help="serve TensorBoard for logs on S3 or any fsspec URL (kept mirrored locally)")
     board.add_argument("url", help="e.g. s3://bucket/run/tensorboard")
     board.add_argument("--host", default="127.0.0.1")
@@ -142,7 +145,9 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
     spec = LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port,
                       rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args,
-                      hosts=args.hosts.split(",") if args.hosts else None)
+                      hosts=args.hosts.split(",") if args.hosts else None, max_restarts=args.max_restarts)
+    if spec.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: received {spec.max_restarts}; give 0 or more")
     if spec.hosts and spec.nnodes == 1:
         spec = dataclasses.replace(spec, nnodes=len(spec.hosts))
     if spec.nproc_per_node < 1 or spec.nnodes < 1:
@@ -187,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve(args.url, host=args.host, port=args.port, refresh_s=args.refresh_s, storage_options=options)
             return 0
         if args.command == "launch":
-            fit_args = ["-c", args.config, *extra] + (["--ckpt-path", args.ckpt_path] if args.ckpt_path else [])
+            ckpt = args.ckpt_path or ("auto" if args.max_restarts > 0 else None)  # a restarted rank continues
+            fit_args = ["-c", args.config, *extra] + (["--ckpt-path", ckpt] if ckpt else [])
             return _launch(args, overrides, fit_args)
         return _fit(args, overrides)
     except UnifitError as exc:

@@ -30,6 +30,8 @@ class CheckpointConfig(_Strict):
     enabled: bool = Field(True, description="Write checkpoints at all.")
     dir: str | None = Field(None, description="Where checkpoints go (local path or fsspec URL); default <root_dir>/checkpoints.")
     every_n_epochs: PositiveInt = Field(1, description="Save after every N-th epoch (and after the last one).")
+    every_n_steps: PositiveInt | None = Field(None, description="Also save after every N-th optimizer step, mid-epoch included (resumes exactly: the data position, partial epoch metrics and RNG are saved).")
+    every_n_minutes: PositiveFloat | None = Field(None, description="Also save when this many minutes passed since the last save (rank 0's clock, agreed by all ranks every 10 optimizer steps).")
     keep_last_n: PositiveInt | None = Field(3, description="Keep this many newest checkpoints (the best one and the one resumed from are never deleted); null keeps all.")
     monitor: str | None = Field(None, description="Metric that picks the 'best' checkpoint, e.g. val/acc.")
     mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher `monitor` value is better.")
@@ -53,6 +55,15 @@ class EarlyStoppingConfig(_Strict):
     mode: Literal["min", "max"] = Field("min", description="Whether lower or higher is better.")
     patience: PositiveInt = Field(3, description="Epochs without improvement before stopping.")
     min_delta: NonNegativeFloat = Field(0.0, description="Smallest change that counts as an improvement.")
+
+
+class PreemptionConfig(_Strict):
+    """SIGTERM/SIGINT (spot notice, SLURM's signal before the time limit, pod deletion, Ctrl-C) on any rank:
+    every rank agrees at a step boundary, one checkpoint is committed, every process exits with 128 + the signal's number."""
+
+    enabled: bool = Field(True, description="Handle SIGTERM and SIGINT this way (off: Python's default, the run dies).")
+    check_every_n_steps: PositiveInt = Field(10, description="Optimizer steps between agreements on whether a rank got a signal (one tiny all-reduce each).")
+    checkpoint: bool = Field(True, description="Commit a checkpoint before exiting (needs checkpoint.enabled).")
 
 
 class NanGuardConfig(_Strict):
@@ -93,6 +104,7 @@ class TrainerConfig(_Strict):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
     early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig, description="See PreemptionConfig.")
     resume: str | None = Field(None, description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.")
     callbacks: list[ClassPath] = Field(default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback).")
 

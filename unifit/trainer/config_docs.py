@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from unifit.trainer.config import CheckpointConfig, EarlyStoppingConfig, ExperimentConfig, NanGuardConfig, TensorBoardConfig, TrainerConfig
+from unifit.trainer.config import CheckpointConfig, EarlyStoppingConfig, ExperimentConfig, NanGuardConfig, PreemptionConfig, TensorBoardConfig, TrainerConfig
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("(top level)", ExperimentConfig),
@@ -21,6 +21,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("trainer.tensorboard", TensorBoardConfig),
     ("trainer.early_stopping", EarlyStoppingConfig),
     ("trainer.nan_guard", NanGuardConfig),
+    ("trainer.preemption", PreemptionConfig),
 ]
 
 

@@ -127,7 +127,9 @@ class Trainer:
             raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
         engine, strategy, store, state = run.engine, run.strategy, run.store, self.state
         strategy.barrier("save_checkpoint")
-        rngs = strategy.all_gather_object(engine.rng_state())
+        mid_epoch = state.progress.batch_in_epoch > 0
+        # per rank: the RNG state, and mid-epoch the epoch's metric sums so far (each rank has its own)
+        ranks = strategy.all_gather_object((engine.rng_state(), engine.collector.state_dict() if mid_epoch else {}))
         name = name or checkpoint_name(state.epoch, state.global_step)
         path = store.path(name)
         run.ctx.last_checkpoint = path  # the same on every rank
@@ -135,7 +137,8 @@ class Trainer:
             "format": "unifit/1",
             "engine": engine.state_dict(),
             "trainer": state.to_dict(),
-            "rng": rngs,
+            "rng": [rng for rng, _ in ranks],
+            "collectors": [collector for _, collector in ranks],
             "world_size": strategy.world_size,
             "callbacks": {key: cb.state_dict() for key, cb in _state_keys(run.callbacks)},
         }
@@ -157,12 +160,13 @@ class Trainer:
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
         cfg, state, progress = self.config, ctx.state, ctx.state.progress
         for epoch in range(progress.epoch, cfg.max_epochs):
-            engine.collector.reset()
-            progress.batch_in_epoch = 0
+            skip = progress.batch_in_epoch  # > 0 only in the first epoch of a resume from a mid-epoch checkpoint
+            if not skip:
+                engine.collector.reset()
             dispatch(Event.TRAIN_EPOCH_START)
             batch_start, batch_end = dispatch.handlers(Event.TRAIN_BATCH_START), dispatch.handlers(Event.TRAIN_BATCH_END)
             started = time.perf_counter()
-            for batch_idx, batch in enumerate(engine.train_batches(epoch)):
+            for batch_idx, batch in enumerate(engine.train_batches(epoch, skip), start=skip):
                 for hook in batch_start:
                     hook(ctx, batch, batch_idx)
                 loss = engine.train_step(batch, batch_idx)
@@ -236,8 +240,17 @@ class Trainer:
         engine.load_state_dict(payload["engine"])
         saved_progress = TrainState.from_dict(payload["trainer"])
         progress = run.ctx.state.progress  # this run's sizes; the position comes from the checkpoint
-        progress.epoch, progress.optimizer_step = saved_progress.progress.epoch, saved_progress.progress.optimizer_step
-        progress.samples_seen = saved_progress.progress.samples_seen
+        at = saved_progress.progress
+        progress.epoch, progress.optimizer_step, progress.samples_seen = at.epoch, at.optimizer_step, at.samples_seen
+        if at.batch_in_epoch:
+            if (at.batches_per_epoch, payload["world_size"]) != (progress.batches_per_epoch, strategy.world_size):
+                raise ConfigError(
+                    f"--ckpt-path: {path} was saved mid-epoch by {payload['world_size']} ranks with "
+                    f"{at.batches_per_epoch} batches per epoch each; this run has {strategy.world_size} ranks with "
+                    f"{progress.batches_per_epoch}; resume it with the same world size, batch size and data, or "
+                    "from a checkpoint taken at an epoch end")
+            progress.batch_in_epoch = at.batch_in_epoch
+            engine.collector.load_state_dict(payload["collectors"][strategy.rank])  # the resumed epoch averages all its batches
         self.state = TrainState(progress=progress, metrics=saved_progress.metrics)
         saved = payload.get("callbacks", {})
         for key, cb in _state_keys(run.callbacks):
@@ -248,7 +261,8 @@ class Trainer:
             log.warning("resuming a %d-rank checkpoint on %d ranks: random state is re-seeded, data order is kept",
                         payload["world_size"], strategy.world_size)
             engine.seed(self.config.seed + strategy.rank + 1000 * self.state.epoch)
-        log.info("resumed from %s (epoch %d, step %d)", path, self.state.epoch, self.state.global_step)
+        within = f", batch {progress.batch_in_epoch} of epoch {progress.epoch + 1}" if progress.batch_in_epoch else ""
+        log.info("resumed from %s (epoch %d, step %d%s)", path, self.state.epoch, self.state.global_step, within)
         return path
 
     def _finish_commits_after(self, error: BaseException) -> None:

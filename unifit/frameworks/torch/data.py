@@ -48,15 +48,39 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableSampler(Sampler[int]):
+    """A DistributedSampler whose next epoch can start past the samples a checkpoint already saw:
+    they are skipped as indices, never loaded, so a mid-epoch resume continues with the same batches."""
+
+    def __init__(self, sampler: DistributedSampler) -> None:
+        self.sampler = sampler
+        self._skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self._skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        indices = iter(self.sampler)
+        for _ in range(self._skip):
+            next(indices, None)
+        return indices
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def train_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int, seed: int,
                  drop_last: bool, num_workers: int, pin_memory: bool) -> DataLoader:
     """Each rank sees a disjoint 1/W of every epoch (torch pads the last shard to equal length,
-    so every rank takes the same number of steps); call `.sampler.set_epoch(e)` each epoch."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=drop_last)
+    so every rank takes the same number of steps); call `.sampler.set_epoch(e, skip)` each epoch.
+    The loader draws its worker seeds from its own generator, so iterating never moves the global
+    RNG: a resumed run's dropout continues exactly where the checkpoint left it."""
+    sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                                  seed=seed, drop_last=drop_last))
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                       num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
 
 
 def val_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int,

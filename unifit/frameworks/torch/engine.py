@@ -103,10 +103,12 @@ class TorchEngine(Engine):
         return self._steps
 
     # ---- training -----------------------------------------------------------------------
-    def train_batches(self, epoch: int) -> Iterator[Any]:
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         self.module.train()
-        self.train_loader.sampler.set_epoch(epoch)
-        limit, move, device = self._batches, self._move, self.device
+        self.train_loader.sampler.set_epoch(epoch, skip * self.config.batch_size)
+        # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
+        self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
+        limit, move, device = self._batches - skip, self._move, self.device
         for i, batch in enumerate(self.train_loader):
             if i >= limit:
                 break

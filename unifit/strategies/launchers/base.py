@@ -26,6 +26,7 @@ class LaunchSpec:
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     hosts: list[str] | None = None  # for launchers that address every host (TF_CONFIG workers)
+    max_restarts: int = 0  # restart the whole group this many times after a rank fails (torchrun's elastic agent)
     fit_args: list[str] = field(default_factory=list)  # passed to `unifit fit` in each process
 
 
@@ -39,8 +40,40 @@ class Launcher(ABC):
     def command(self, spec: LaunchSpec) -> list[str]:
         """The command that starts every process of this node."""
 
+    supports_restarts = False
+
     def launch(self, spec: LaunchSpec) -> int:
-        return subprocess.call(self.command(spec), env=rank_environment())
+        """Run the command; SIGTERM/SIGINT sent to `unifit launch` are passed on to it (each rank then
+        stops at a step boundary with a checkpoint) and the launch exits with 128 + the signal's number."""
+        self.check(spec)
+        return run_forwarding_signals(self.command(spec), env=rank_environment())
+
+    def check(self, spec: LaunchSpec) -> None:
+        if spec.max_restarts and not self.supports_restarts:
+            raise ConfigError(
+                f"--max-restarts {spec.max_restarts}: strategy '{self.strategy}' has no restarting launcher (only "
+                "torchrun's elastic agent restarts ranks: ddp, smddp-like); restart the whole command instead "
+                "(e.g. a Kubernetes restartPolicy or a shell loop) with --ckpt-path auto")
+
+
+def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:
+    """Popen + wait, forwarding SIGTERM and SIGINT to the child; 128 + signal when one came."""
+    import signal
+
+    child = subprocess.Popen(command, env=env)
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 + received[0] if received and code != 0 else code
 
 
 def fit_command(spec: LaunchSpec) -> list[str]:

@@ -34,6 +34,7 @@ class HorovodrunLauncher(Launcher):
     def launch(self, spec: LaunchSpec) -> int:
         from unifit.strategies.horovod.strategy import import_horovod
 
+        self.check(spec)
         import_horovod("runner.launch", "HOROVOD_WITH_PYTORCH")  # a missing Horovod says how to install it
         from horovod.runner.launch import run_commandline
 

@@ -43,6 +43,7 @@ class TFConfigLauncher(Launcher):
         return [sys.executable, *fit_command(spec)]
 
     def launch(self, spec: LaunchSpec) -> int:
+        self.check(spec)
         workers, mine = self.cluster(spec)
         procs = []
         base = rank_environment()  # the workers inherit this terminal; UNIFIT_TTY says so all the same
@@ -50,17 +51,32 @@ class TFConfigLauncher(Launcher):
             tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
             env = {**base, "TF_CONFIG": json.dumps(tf_config)}
             procs.append(subprocess.Popen(self.command(spec), env=env))
-        return _wait_all(procs)
+        received: list[int] = []
+
+        def forward(signum: int, frame: object) -> None:  # each worker stops at a step boundary, checkpointed
+            received.append(signum)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = _wait_all(procs, signalled=received)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 128 + received[0] if received and code != 0 else code
 
 
-def _wait_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> int:
-    """Wait for every worker; on the first failure stop the rest and return its exit code."""
+def _wait_all(procs: list[subprocess.Popen], grace_s: float = 10.0, signalled: list[int] | None = None) -> int:
+    """Wait for every worker; on the first failure stop the rest and return its exit code (after a
+    forwarded signal the others get 30 s: they are committing a checkpoint)."""
     try:
         while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                _stop(procs, grace_s)
+                _stop(procs, 30.0 if signalled else grace_s)
                 print(f"unifit: a worker exited with {failed[0]}; the other workers were stopped", file=sys.stderr)
                 return failed[0] if failed[0] > 0 else 1
             if all(c == 0 for c in codes):

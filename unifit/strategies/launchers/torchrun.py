@@ -13,8 +13,12 @@ from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, 
 
 
 class TorchrunLauncher(Launcher):
+    supports_restarts = True
+
     def torchrun_args(self, spec: LaunchSpec) -> list[str]:
         args = ["--nproc-per-node", str(spec.nproc_per_node)]
+        if spec.max_restarts:
+            args += ["--max-restarts", str(spec.max_restarts)]
         if spec.nnodes == 1 and not (spec.rdzv_endpoint or spec.master_addr):
             args.append("--standalone")  # a free local port, no rendezvous server to run
         else:
@@ -31,13 +35,17 @@ class TorchrunLauncher(Launcher):
         return [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(spec)]
 
     def launch(self, spec: LaunchSpec) -> int:
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import get_args_parser, run
 
         args = get_args_parser().parse_args(self.torchrun_args(spec))
         try:
             with terminal_announced():  # the ranks inherit this terminal; UNIFIT_TTY says so all the same
-                run(args)
+                run(args)  # torchrun passes SIGTERM/SIGINT on to the ranks and gives them 30 s to stop
+        except SignalException as exc:
+            print(f"unifit: launch stopped by {exc.sigval.name}; the ranks' own messages are above", file=sys.stderr)
+            return 128 + int(exc.sigval)
         except ChildFailedError as exc:
             codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
             failed = ", ".join(f"rank {rank} exit {code}" for rank, code in codes.items())

@@ -1,0 +1,125 @@
+"""Long jobs survive: step checkpoints, exact mid-epoch resume, preemption by signal, restarts.
+
+The probe trains 3 epochs. A preempted run gets SIGTERM on one rank in the middle of epoch 2, every
+rank stops at that step with a checkpoint and exit code 143; `--ckpt-path auto` then continues it and
+the result equals the uninterrupted run: the same loss curve and bit-identical weights (dropout on,
+so every rank's RNG, the data position and the partial epoch's metric sums must all be restored)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import assert_ok, launch_probe, metrics_lines, probe_args, reports, run_unifit, start_unifit, stop
+
+TORCH_STRATEGIES = ["single", "ddp", "smddp-like", "horovod"]
+STEPS = ("--trainer.checkpoint.every_n_steps", "2", "--trainer.checkpoint.keep_last_n", "null",
+         "--trainer.preemption.check_every_n_steps", "1")
+
+
+def _signal_at(rank: int) -> list[dict]:
+    return [{"class_path": "tests.probe.probe.SignalAt", "init_args": {"rank": rank, "batch": 1}}]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    full, resumed = metrics_lines(a), metrics_lines(b)
+    assert [m["epoch"] for m in resumed] == [m["epoch"] for m in full] == [1, 2, 3]
+    for key in ("train/loss", "val/loss", "lr"):
+        assert [m[key] for m in resumed] == pytest.approx([m[key] for m in full], rel=1e-6, abs=1e-9), key
+    assert {r["weights_sha256"] for r in reports(b)} == {r["weights_sha256"] for r in reports(a)}
+    assert len({r["weights_sha256"] for r in reports(b)}) == 1
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("strategy", TORCH_STRATEGIES)
+def test_preempted_mid_epoch_resumes_exactly(tmp_path, strategy):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert_ok(launch_probe(strategy, full, *STEPS))
+    signalled_rank = 0 if strategy == "single" else 1
+    stopped = launch_probe(strategy, part, *STEPS, callbacks=_signal_at(signalled_rank))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    said = [line for line in stopped.stderr.splitlines() if "preempted by SIGTERM" in line]
+    assert len(said) >= 1, stopped.stderr[-3000:]
+    last = json.loads((part / "checkpoints" / "last.json").read_text())["name"]
+    state = torch.load(part / "checkpoints" / last / "state.pt", weights_only=True)
+    progress = state["trainer"]["progress"]
+    assert progress["epoch"] == 1 and progress["batch_in_epoch"] == 1, progress  # mid-epoch 2, where it was stopped
+
+    resumed = launch_probe(strategy, part, *STEPS, ckpt="auto")
+    assert_ok(resumed)
+    assert "batch 1 of epoch 2" in resumed.stderr
+    _assert_same_run(full, part)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_launch_is_forwarded_and_the_job_continues(tmp_path):
+    slow = [{"class_path": "tests.probe.probe.SlowSteps", "init_args": {"seconds": 1.0}}]  # 4 batches per epoch
+    run = tmp_path / "run"
+    proc = start_unifit(*probe_args("ddp", run, *STEPS, "--trainer.max_epochs", "3", callbacks=slow))
+    try:
+        deadline = time.time() + 120
+        while not (run / "checkpoints" / "last.json").exists():  # the first step checkpoint (step 2 of 12)
+            assert time.time() < deadline and proc.poll() is None, "no checkpoint appeared"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)  # to `unifit launch` only, as a scheduler would
+        started = time.time()
+        out, err = stop(proc, timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    assert time.time() - started < 20, err[-2000:]  # the next step boundary, not torchrun's 30 s grace
+    assert err.count("preempted by SIGTERM") >= 1, err[-3000:]
+    name = json.loads((run / "checkpoints" / "last.json").read_text())["name"]
+    assert int(name.rsplit("=", 1)[1]) < 12, name  # stopped before the end, with a checkpoint of that step
+    assert_ok(launch_probe("ddp", run, *STEPS, "--trainer.max_epochs", "3", ckpt="auto"))
+    assert [m["epoch"] for m in metrics_lines(run)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(420)
+def test_max_restarts_continue_after_kill_9_of_one_rank(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert_ok(launch_probe("ddp", full, *STEPS))
+    kill = [{"class_path": "tests.probe.probe.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}]
+    result = run_unifit(*probe_args("ddp", part, *STEPS, callbacks=kill), "--max-restarts", "1", timeout=300)
+    assert_ok(result)
+    assert (tmp_path / "killed").exists()  # rank 1 really died once
+    assert "resumed from" in result.stderr  # the restarted ranks continued from the last committed step
+    _assert_same_run(full, part)
+
+
+def test_every_n_minutes_saves_mid_epoch(tmp_path):
+    import unifit
+    from tests.probe.probe import ProbeModule
+
+    unifit.Trainer(max_epochs=3, batch_size=2, root_dir=str(tmp_path), progress_bar=False,
+                   checkpoint={"every_n_minutes": 1e-6, "keep_last_n": None}).fit(ProbeModule())
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("epoch="))
+    steps = sorted(int(n.rsplit("=", 1)[1]) for n in names)
+    # 32 steps per epoch, agreed every 10 steps: saves at 10, 20, 30, 40, ... and at the three epoch ends
+    assert [s for s in steps if s % 32] == [10, 20, 30, 40, 50, 60, 70, 80, 90], steps
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "mwms"])
+def test_max_restarts_refused_where_no_launcher_restarts(tmp_path, strategy):
+    result = run_unifit(*probe_args(strategy if strategy != "mwms" else "mwms", tmp_path), "--max-restarts", "2",
+                        timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "--max-restarts 2" in lines[0] and "--ckpt-path auto" in lines[0], result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_mid_epoch_checkpoint_refuses_another_world_size(tmp_path):
+    run = tmp_path / "run"
+    stopped = launch_probe("ddp", run, *STEPS, callbacks=_signal_at(1))
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    result = launch_probe("single", run, *STEPS, ckpt="auto")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "saved mid-epoch by 2 ranks" in result.stderr and "same world size" in result.stderr

@@ -1,0 +1,86 @@
+"""Preemption: SIGTERM or SIGINT on any rank stops every rank at the same step, with a checkpoint.
+
+What spot instances, SLURM (`--signal=TERM@120`), Kubernetes pod deletion and Ctrl-C send. The
+handler only records the signal; every `check_every_n_steps` optimizer steps (and at each epoch
+end) all ranks agree with one tiny all-reduce whether any rank got one, then each saves its part
+of one checkpoint and raises `Preempted` (exit code 128 + signal number). Restart the same command
+with `--ckpt-path auto` (or `trainer.resume: auto`) and it continues from that step, mid-epoch included.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+
+from unifit.callbacks.base import Callback
+from unifit.errors import Preempted
+from unifit.trainer.config import PreemptionConfig
+
+log = logging.getLogger("unifit")
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preemption(Callback):
+    runs_last = True  # after ModelCheckpoint: an epoch-end checkpoint already taken is not taken twice
+
+    def __init__(self, config: PreemptionConfig, save: bool) -> None:
+        self.every = config.check_every_n_steps
+        self.save = save
+        self._received = 0
+        self._previous: dict[int, Any] = {}
+        self._seen_step = -1
+
+    def on_fit_start(self, ctx: Any) -> None:
+        self._received, self._seen_step = 0, ctx.progress.optimizer_step
+        if threading.current_thread() is not threading.main_thread():
+            log.info("fit() runs outside the main thread: SIGTERM/SIGINT are not turned into a checkpointed stop")
+            return
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if not self._received:
+            log.warning("received %s: stopping at the next agreement (within %d optimizer steps) with a checkpoint",
+                        signal.Signals(signum).name, self.every)
+        self._received = self._received or signum
+
+    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
+        step = ctx.progress.optimizer_step
+        if step == self._seen_step or step % self.every:
+            return
+        self._seen_step = step
+        self._agree(ctx)
+
+    def on_epoch_end(self, ctx: Any) -> None:
+        self._agree(ctx)
+
+    def _agree(self, ctx: Any) -> None:
+        signum = int(ctx.all_reduce_max(np.array([float(self._received)]))[0])  # every rank, same steps
+        if not signum:
+            return
+        name = signal.Signals(signum).name
+        path = ctx.last_checkpoint
+        if self.save and not _saved_now(ctx):
+            path = ctx.save_checkpoint() or path
+        kept = f"checkpoint {path} is committed" if path else "no checkpoint was written"
+        raise Preempted(f"preempted by {name} at step {ctx.progress.optimizer_step} (epoch {ctx.progress.epoch + 1}, "
+                        f"batch {ctx.progress.batch_in_epoch}); {kept}; run the same command with --ckpt-path auto "
+                        "to continue", signum)
+
+    def on_teardown(self, ctx: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def _saved_now(ctx: Any) -> bool:
+    """Whether the newest checkpoint already holds this exact point of training."""
+    from unifit.trainer.checkpoint_store import checkpoint_name
+
+    last = (ctx.last_checkpoint or "").rstrip("/").rsplit("/", 1)[-1]
+    return last == checkpoint_name(ctx.progress.epoch, ctx.progress.optimizer_step)
