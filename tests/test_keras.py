@@ -57,11 +57,6 @@ def test_keras_module_with_a_torch_strategy(tmp_path):
               "'ddp' trains torch modules", "DigitsKeras is a tensorflow module", "mirrored, mwms")
 
 
-@pytest.mark.timeout(120)
-def test_keras_module_with_mixed_precision_is_refused(tmp_path):
-    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.precision", "bf16-mixed",
-                         "--trainer.root_dir", str(tmp_path)),
-              "trainer.precision: received 'bf16-mixed'", "Keras modules", "'32-true'")
 
 
 @pytest.mark.timeout(120)

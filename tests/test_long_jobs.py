@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers import assert_ok, launch_probe, metrics_lines, probe_args, reports, run_unifit, start_unifit, stop
 
-TORCH_STRATEGIES = ["single", "ddp", "smddp-like", "horovod"]
+STRATEGIES = ["single", "ddp", "smddp-like", "horovod", "mirrored", "mwms", "horovod-keras"]
 STEPS = ("--trainer.checkpoint.every_n_steps", "2", "--trainer.checkpoint.keep_last_n", "null",
          "--trainer.preemption.check_every_n_steps", "1")
 
@@ -37,24 +37,29 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("strategy", TORCH_STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_preempted_mid_epoch_resumes_exactly(tmp_path, strategy):
     full, part = tmp_path / "full", tmp_path / "part"
     assert_ok(launch_probe(strategy, full, *STEPS))
-    signalled_rank = 0 if strategy == "single" else 1
+    signalled_rank = 0 if strategy in ("single", "mirrored") else 1
     stopped = launch_probe(strategy, part, *STEPS, callbacks=_signal_at(signalled_rank))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     said = [line for line in stopped.stderr.splitlines() if "preempted by SIGTERM" in line]
     assert len(said) >= 1, stopped.stderr[-3000:]
     last = json.loads((part / "checkpoints" / "last.json").read_text())["name"]
-    state = torch.load(part / "checkpoints" / last / "state.pt", weights_only=True)
-    progress = state["trainer"]["progress"]
+    progress = _saved_progress(part / "checkpoints" / last)
     assert progress["epoch"] == 1 and progress["batch_in_epoch"] == 1, progress  # mid-epoch 2, where it was stopped
 
     resumed = launch_probe(strategy, part, *STEPS, ckpt="auto")
     assert_ok(resumed)
     assert "batch 1 of epoch 2" in resumed.stderr
     _assert_same_run(full, part)
+
+
+def _saved_progress(checkpoint: Path) -> dict:
+    if (checkpoint / "state.pt").exists():
+        return torch.load(checkpoint / "state.pt", weights_only=True)["trainer"]["progress"]
+    return json.loads((checkpoint / "state.json").read_text())["trainer"]["progress"]  # Keras
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,7 @@ service, whose error aborts the collectives.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import subprocess
@@ -152,7 +153,24 @@ class MirroredStrategy(TFDistributeStrategy):
                     raise ConfigError(f"trainer.strategy_options.devices: {count} logical CPUs were asked for after "
                                       f"TensorFlow had started with {have}; create the Trainer before using TensorFlow") from None
             names = [f"/cpu:{i}" for i in range(count)]
-        return tf.distribute.MirroredStrategy(devices=names)
+        return _fresh_collective_keys(tf.distribute.MirroredStrategy, devices=names)
+
+
+_strategies_made = itertools.count()
+
+
+def _fresh_collective_keys(cls: Any, **kwargs: Any) -> Any:
+    """A tf.distribute strategy whose collective keys no earlier one in this process used.
+
+    Every MirroredStrategy numbers its collective groups from 1 and instances from 100, and
+    TensorFlow's runtime keeps what it learnt about each (group, instance) for the life of the
+    process: a second fit in one process whose step all-reduces other shapes (another model, a
+    precision that adds a collective) failed with "Shape mismatch in the collective instance 100".
+    """
+    strategy = cls.__new__(cls)
+    strategy._collective_key_base = 1000 * next(_strategies_made)  # read by the strategy's set-up
+    strategy.__init__(**kwargs)
+    return strategy
 
 
 class MWMSStrategy(TFDistributeStrategy):

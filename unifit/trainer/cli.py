@@ -117,16 +117,10 @@ def _seed_init(seed: int) -> None:
     import random
 
     random.seed(seed)
-    if "torch" in sys.modules or _importable("torch"):
+    if "torch" in sys.modules:  # a torch module's class is loaded by now; Keras workers skip torch's import
         import torch
 
         torch.manual_seed(seed)
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 def _build(cls: Any, init_args: dict[str, Any], section: str) -> Any:

@@ -7,6 +7,11 @@ batches (no TensorFlow auto-sharding or rebatching on top). Validation shards ar
 not trimmed. No replica ever gets an empty batch (some kernels fail on one, e.g. oneDNN's conv):
 the last steps are split so that every replica gets at least one sample (see `step_sizes`), and
 under MWMS every worker validates in the same number of steps, so none runs out before the others.
+
+Precision (frameworks/keras/precision.py) builds the model under its dtype policy and scales the
+loss; trainer.compile hands each replica's forward, loss and gradients to XLA (jit_compile), while
+gradient reduction and the optimizer's update, which hold the collectives (Horovod's ops have no
+XLA kernel on CPU), stay outside it, so compiling works alike under every strategy.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from typing import Any, Iterator
@@ -25,10 +31,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from unifit.errors import ConfigError  # noqa: E402
+from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
+from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
 
 _TF_PREFIX = "tf/"
@@ -40,9 +47,7 @@ class KerasEngine(Engine):
         if cfg.accumulate_grad_batches != 1:
             raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
                               "is implemented for PyTorch modules only); raise batch_size instead")
-        if cfg.precision != "32-true":
-            raise ConfigError(f"trainer.precision: received '{cfg.precision}', but Keras modules train in '32-true' "
-                              "only for now (mixed precision is implemented for PyTorch modules); use '32-true'")
+        self.precision = make_precision(cfg.precision)
         self.dist = getattr(strategy, "tf_strategy", None) or tf.distribute.get_strategy()
         self.local_replicas = _local_replicas(self.dist)
         # replicas over all processes: tf.distribute's own count for mirrored/mwms, one per process for horovod
@@ -75,42 +80,62 @@ class KerasEngine(Engine):
             self._val_indices = np.arange(rank, n_val, world)
             self._val_sizes = self._val_plan(len(self._val_indices))
 
-        # MWMS broadcasts each variable's initial value from the chief as it is created
-        with self.strategy.collective_guard("creating the model"), self.dist.scope():
-            self.module.model = model = self.module.build_model()
+        # MWMS broadcasts each variable's initial value from the chief as it is created; the
+        # precision's dtype policy is global in Keras, so it holds only while the model is built
+        precision = self.precision
+        with self.strategy.collective_guard("creating the model"), self.dist.scope(), precision.building():
+            self.module.model = model = precision.prepare_model(self.module.build_model())
             optimizer = self.module.configure_optimizers()
             self.policy = LRPolicy.from_config(cfg, self.replicas, self._batches)
             self.optimizer, self.schedule = with_policy(optimizer, self.policy)
+            self.step_optimizer = precision.step_optimizer(self.optimizer)  # float16: a LossScaleOptimizer around it
             model.build(tuple([None, *self.train_arrays[0].shape[1:]]))
-            self.optimizer.build(model.trainable_variables)
-        strategy.broadcast_variables(model.variables + self.optimizer.variables)
+            self.step_optimizer.build(model.trainable_variables)
+        strategy.broadcast_variables(model.variables + self.step_optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
         self._train_fn = tf.function(self._distributed_step(train=True))
         self._val_fn = tf.function(self._distributed_step(train=False))
+        self._untried = {"training", "validation"} if cfg.compile else set()  # XLA compiles at the first call
 
     # ---- compiled steps -------------------------------------------------------------------
     def _distributed_step(self, train: bool) -> Any:
-        module, optimizer, clip = self.module, self.optimizer, self.config.gradient_clip_val
+        module, clip, precision = self.module, self.config.gradient_clip_val, self.precision
+        optimizer = self.step_optimizer
         prefix = "train/" if train else "val/"
 
-        def replica_step(x: Any, y: Any) -> dict[str, Any]:
+        def forward(x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
+            """Per replica: forward, loss and (training) gradients; what trainer.compile gives to XLA.
+            Collectives (gradient reduction, the optimizer's all-reduce) stay outside it."""
+            grads = None
             if train:
                 with tf.GradientTape() as tape:
                     per_example, y_pred = module.training_step(x, y)
+                    per_example = tf.cast(per_example, tf.float32)
                     loss = tf.nn.compute_average_loss(per_example)
                     if module.model.losses:
-                        loss += tf.nn.scale_regularization_loss(tf.add_n(module.model.losses))
-                variables = module.model.trainable_variables
-                grads = self.strategy.reduce_gradients(tape.gradient(loss, variables))
-                if clip is not None:
-                    grads, _ = tf.clip_by_global_norm(grads, clip)
-                optimizer.apply_gradients(zip(grads, variables))
+                        regularization = tf.add_n([tf.cast(r, tf.float32) for r in module.model.losses])
+                        loss += tf.nn.scale_regularization_loss(regularization)
+                    scaled = precision.scale_loss(loss)
+                grads = tape.gradient(scaled, module.model.trainable_variables)
             else:
                 per_example, y_pred = module.validation_step(x, y)
             sums = {f"{prefix}loss": tf.reduce_sum(tf.cast(per_example, tf.float32))}
             for name, values in module.metrics(y, y_pred).items():
                 sums[f"{prefix}{name}"] = tf.reduce_sum(tf.cast(values, tf.float32))
             sums["_count"] = tf.cast(tf.shape(per_example)[0], tf.float32)
+            return grads, sums
+
+        if self.config.compile:
+            forward = tf.function(forward, jit_compile=True)
+
+        def replica_step(x: Any, y: Any) -> dict[str, Any]:
+            grads, sums = forward(x, y)
+            if train:
+                variables = module.model.trainable_variables
+                grads = self.strategy.reduce_gradients(grads)  # scaled alike on every rank (one loss scale)
+                if clip is not None:
+                    grads, _ = tf.clip_by_global_norm(grads, precision.clip_norm(clip))
+                optimizer.apply_gradients(zip(grads, variables))  # float16: unscaled, skipped on inf/NaN
             return sums
 
         def step(batch_or_iterator: Any) -> dict[str, Any]:
@@ -161,19 +186,23 @@ class KerasEngine(Engine):
 
         return self.dist.distribute_datasets_from_function(dataset_fn)
 
-    def train_batches(self, epoch: int) -> Iterator[Any]:
+    def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+        if skip >= self._batches:  # resumed from a checkpoint taken after the epoch's last step
+            return
         n = len(self.train_arrays[0])
         order = np.random.default_rng(self.config.seed + epoch).permutation(n)
         mine = order if self.train_presharded else order[self.strategy.rank::self.strategy.world_size]
         mine = mine[: self.per_worker]  # every worker the same number of samples (and steps)
-        iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes))
-        for i in range(self._batches):  # the same count on every worker
+        # a mid-epoch resume starts after the samples of the first `skip` steps (never loaded)
+        mine = mine[sum(self._train_sizes[:skip]):]
+        iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes[skip:]))
+        for i in range(skip, self._batches):  # the same count on every worker
             self.collector.batch_count = self._train_sizes[i]
             yield iterator  # train_step dequeues the batch inside its compiled step
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
         with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
-            means = self._train_fn(batch)
+            means = self._train_fn(batch) if not self._untried else self._first_call(self._train_fn, batch, "training")
         self._steps += 1
         count = self.collector.batch_count
         for name, value in means.items():
@@ -192,8 +221,27 @@ class KerasEngine(Engine):
             yield batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        for name, value in self._val_fn(batch).items():
+        sums = self._val_fn(batch) if not self._untried else self._first_call(self._val_fn, batch, "validation")
+        for name, value in sums.items():
             self.collector.add(name, value, self.collector.batch_count)
+
+    def _first_call(self, fn: Any, batch: Any, which: str) -> Any:
+        """The first call of a step under trainer.compile: an op XLA cannot compile is a one-line error."""
+        if which not in self._untried:
+            return fn(batch)
+        try:
+            result = fn(batch)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as exc:
+            message = str(exc)
+            if "XLA" not in message and "compil" not in message:
+                raise
+            ops = sorted(set(re.findall(r"on XLA_\w+: (\w+)", message)))
+            found = f"ops XLA cannot compile: {', '.join(ops)}" if ops else first_line(exc)[:300]
+            raise ConfigError(f"trainer.compile: received true, but XLA (jit_compile) cannot compile "
+                              f"{type(self.module).__name__}'s {which} step ({found}); set trainer.compile: false "
+                              "or remove those ops from the step") from None
+        self._untried.discard(which)
+        return result
 
     # ---- facts ------------------------------------------------------------------------------
     @property
@@ -222,7 +270,7 @@ class KerasEngine(Engine):
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer_steps": self.optimizer_steps}
+        return {"optimizer_steps": self.optimizer_steps, "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         folder = tempfile.mkdtemp(prefix="unifit-tf-restore-")
@@ -233,6 +281,7 @@ class KerasEngine(Engine):
             with self.strategy.collective_guard("checkpoint restore"):
                 self._checkpoint().read(os.path.join(folder, "ckpt")).assert_consumed()
             self._steps = int(state["optimizer_steps"])
+            self.precision.load_state_dict(state.get("precision", {}))  # the float16 loss scale
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -12,6 +12,12 @@
 
 Steps run inside one compiled tf.function, so per-step values are returned, not logged with
 Python side effects; the engine averages them over replicas and workers by sample count.
+
+trainer.precision bf16-mixed / 16-mixed: build_model() runs under Keras' mixed_bfloat16 /
+mixed_float16 policy (variables float32, compute in the low dtype) and the model's floating outputs
+come back in float32, so loss() and metrics() see float32. trainer.compile: the per-replica forward,
+loss and gradients (training_step / validation_step and metrics) are compiled by XLA; they must use
+ops XLA supports (no tf.py_function, no string ops).
 """
 
 from __future__ import annotations
