@@ -1,13 +1,19 @@
 """What does unifit cost per step? The same model, data, batch size and thread count trained by
 (a) a hand-written PyTorch loop, (b) unifit single-process, (c) Lightning's Trainer (progress
-bar, logger, checkpointing and model summary off), for a tiny MLP (overhead-bound) and a small
-CNN (compute-bound). Runs are interleaved, each in a fresh child process (so peak RSS is its own),
-timing one epoch of training steps only (set-up excluded for all three).
+bar, logger, checkpointing and model summary off), for a tiny MLP at 500 and at 2000 steps per
+epoch (overhead-bound) and a small CNN (compute-bound). Runs are interleaved, each in a fresh
+child process (so peak RSS is its own), timing one epoch of training steps only (set-up excluded
+for all), by process CPU time and by wall time at once.
 
-    .venv/bin/python benchmarks/overhead_torch.py [--reps 5] [--out benchmarks/results/overhead_torch.md]
+    .venv/bin/python benchmarks/overhead_torch.py [--reps 5] [--models tiny,mlp,cnn] [--out benchmarks/results/overhead_torch.md]
 
-unifit runs with its defaults except the progress bar, checkpoints and TensorBoard (like
-Lightning's); its NaN guard and metric logging stay on.
+unifit runs twice: `minimal` (progress bar, checkpoints and TensorBoard off, like Lightning's
+run here; its NaN guard and metric logging stay on) and `defaults` (nothing turned off: NaN guard,
+TensorBoard with step scalars, checkpoints, and the progress bar, which unifit shows only on a
+terminal, so that child's stderr is a pseudo-terminal). The training epoch is timed from
+on_train_epoch_start to on_train_epoch_end (the loader's first batch, the epoch's metric reduce
+included); `+ epoch end` adds unifit's work after it (summary line, metrics.jsonl, TensorBoard
+flush, the checkpoint), which a hand-written loop does not do.
 """
 
 from __future__ import annotations
@@ -16,24 +22,29 @@ import argparse
 import json
 import os
 import platform
+import pty
 import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from bench_modules import lightning_classifier, unifit_classifier  # beside this script
 
-MODELS = {"mlp": {"steps": 2000, "batch": 64}, "cnn": {"steps": 150, "batch": 64}}
-RUNNERS = ("raw", "unifit", "lightning")
+# tiny: the size of issue 10's independent measurement (same network as mlp, 500 steps per epoch,
+# so per-epoch costs weigh 4x more than at 2000)
+MODELS = {"tiny": {"steps": 500, "batch": 64}, "mlp": {"steps": 2000, "batch": 64}, "cnn": {"steps": 150, "batch": 64}}
+RUNNERS = ("raw", "unifit", "unifit_defaults", "lightning")
+LABELS = {"raw": "raw", "unifit": "unifit minimal", "unifit_defaults": "unifit defaults", "lightning": "Lightning"}
 
 
 def build(model: str):
     import torch
 
     torch.manual_seed(0)
-    if model == "mlp":
+    if model in ("tiny", "mlp"):
         net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
         x = torch.randn(MODELS[model]["steps"] * MODELS[model]["batch"], 32)
     else:
@@ -46,52 +57,62 @@ def build(model: str):
     return net, torch.utils.data.TensorDataset(x, y)
 
 
-def run_raw(model: str) -> float:
+def _clocks() -> tuple[float, float]:
+    """(process CPU time, wall time). CPU time of this single-threaded process does not count what
+    other load on the machine steals, so its ratios are far less noisy than wall time's."""
+    return time.process_time(), time.perf_counter()
+
+
+def _since(start: tuple[float, float]) -> dict[str, float]:
+    cpu, wall = _clocks()
+    return {"cpu": cpu - start[0], "wall": wall - start[1]}
+
+
+def run_raw(model: str) -> dict[str, dict[str, float]]:
     import torch
     import torch.nn.functional as F
 
     net, ds = build(model)
     loader = torch.utils.data.DataLoader(ds, batch_size=MODELS[model]["batch"], shuffle=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    start = _clock()
+    start = _clocks()
     for x, y in loader:
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
-    return _clock() - start
-
-
-def _clock() -> float:
-    """CPU time of this (single-threaded) process: what other load on the machine steals
-    is not counted, which makes the ratios far less noisy than wall time here."""
-    return time.process_time() if CLOCK == "cpu" else time.perf_counter()
-
-
-CLOCK = os.environ.get("BENCH_CLOCK", "cpu")
+    train = _since(start)
+    return {"train": train, "epoch": train}
 
 
 class _Timer:
+    """The train epoch, and the epoch with its end-of-epoch callbacks (a unifit timer runs last)."""
+
+    runs_last = True  # unifit: after every other callback, the checkpoint's included
+
     def on_train_epoch_start(self, *args):
-        self.start = _clock()
+        self.start = _clocks()
 
     def on_train_epoch_end(self, *args):
-        self.elapsed = _clock() - self.start
+        self.train = self.epoch = _since(self.start)
+
+    def on_epoch_end(self, *args):
+        self.epoch = _since(self.start)
 
 
-def run_unifit(model: str) -> float:
+def run_unifit(model: str, defaults: bool = False) -> dict[str, dict[str, float]]:
     import unifit
 
     net, ds = build(model)
-
     timer = type("UnifitTimer", (_Timer, unifit.Callback), {})()
-    unifit.Trainer(max_epochs=1, batch_size=MODELS[model]["batch"], root_dir="benchmarks/_scratch/unifit",
-                   progress_bar=False, checkpoint={"enabled": False}, tensorboard={"enabled": False},
-                   callbacks=[timer]).fit(unifit_classifier(net, ds))
-    return timer.elapsed
+    off = {} if defaults else {"progress_bar": False, "checkpoint": {"enabled": False}, "tensorboard": {"enabled": False}}
+    root = f"benchmarks/_scratch/unifit_{'defaults' if defaults else 'minimal'}"
+    unifit.Trainer(max_epochs=1, batch_size=MODELS[model]["batch"], root_dir=root, callbacks=[timer], **off).fit(
+        unifit_classifier(net, ds))
+    return {"train": timer.train, "epoch": timer.epoch}
 
 
-def run_lightning(model: str) -> float:
+def run_lightning(model: str) -> dict[str, dict[str, float]]:
     import lightning as L
     import torch
 
@@ -102,54 +123,125 @@ def run_lightning(model: str) -> float:
     L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
               enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
               callbacks=[timer], default_root_dir="benchmarks/_scratch/lightning").fit(lightning_classifier(net), loader)
-    return timer.elapsed
+    return {"train": timer.train, "epoch": timer.epoch}
 
 
 def child(runner: str, model: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    elapsed = {"raw": run_raw, "unifit": run_unifit, "lightning": run_lightning}[runner](model)
+    run = {"raw": run_raw, "unifit": run_unifit, "unifit_defaults": lambda m: run_unifit(m, defaults=True),
+           "lightning": run_lightning}[runner]
+    times = run(model)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"steps_per_s": MODELS[model]["steps"] / elapsed, "peak_rss_mb": peak_mb}))
+    steps = MODELS[model]["steps"]
+    print(json.dumps({"steps_per_s": {clock: steps / times["train"][clock] for clock in ("cpu", "wall")},
+                      "with_epoch_end_steps_per_s": {clock: steps / times["epoch"][clock] for clock in ("cpu", "wall")},
+                      "peak_rss_mb": peak_mb, "stderr_tty": sys.stderr.isatty()}), flush=True)
+
+
+def spawn(runner: str, model: str, env: dict[str, str]) -> dict:
+    """One child process; `unifit_defaults` gets a pseudo-terminal as stderr (its progress bar is
+    on, as for a user at a terminal), drained by a thread so the child never blocks on it."""
+    cmd = [sys.executable, __file__, "--child", runner, model]
+    if runner != "unifit_defaults":
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        out, err = proc.stdout, proc.stderr
+    else:
+        master, slave = pty.openpty()
+        chunks: list[bytes] = []
+
+        def drain() -> None:
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # the child closed its end
+                    return
+                if not data:
+                    return
+                chunks.append(data)
+
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        out, _ = proc.communicate()
+        reader.join(timeout=10)
+        os.close(master)
+        err = b"".join(chunks).decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"{runner} {model} failed (exit {proc.returncode}):\n{err[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def table(results: dict, models: list[str], clock: str, reps: int) -> list[str]:
+    lines = [f"### {'process CPU time' if clock == 'cpu' else 'wall time'}", "",
+             "| model | steps/epoch | raw steps/s | unifit minimal | unifit defaults | Lightning | minimal/raw | "
+             "defaults/raw | + epoch end: minimal/raw, defaults/raw | unifit minimal/Lightning | unifit - raw us/step (minimal, defaults) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model in models:
+        by = results[model]
+        med = {r: statistics.median(x["steps_per_s"][clock] for x in by[r]) for r in RUNNERS}
+        end = {r: statistics.median(x["with_epoch_end_steps_per_s"][clock] for x in by[r]) for r in RUNNERS}
+        extra = {r: 1e6 / med[r] - 1e6 / med["raw"] for r in ("unifit", "unifit_defaults")}
+        lines.append(
+            f"| {model} | {MODELS[model]['steps']} | {med['raw']:.0f} | {med['unifit']:.0f} | {med['unifit_defaults']:.0f} | "
+            f"{med['lightning']:.0f} | **{med['unifit'] / med['raw']:.3f}** | **{med['unifit_defaults'] / med['raw']:.3f}** | "
+            f"{end['unifit'] / end['raw']:.3f}, {end['unifit_defaults'] / end['raw']:.3f} | "
+            f"{med['unifit'] / med['lightning']:.2f} | {extra['unifit']:+.1f}, {extra['unifit_defaults']:+.1f} |")
+    rss = {m: {r: statistics.median(x["peak_rss_mb"] for x in results[m][r]) for r in RUNNERS} for m in models}
+    if clock == "cpu":
+        lines += ["", "Peak RSS MB (raw / unifit minimal / unifit defaults / Lightning): " + "; ".join(
+            f"{m} {' / '.join(f'{rss[m][r]:.0f}' for r in RUNNERS)}" for m in models)]
+    return lines + [""]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=8)
-    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    parser.add_argument("--out", default=None, help="default: benchmarks/results/overhead_torch[_wall].md")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--out", default="benchmarks/results/overhead_torch.md")
     parser.add_argument("--child", nargs=2, metavar=("RUNNER", "MODEL"))
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
-    args.out = args.out or f"benchmarks/results/overhead_torch{'' if args.clock == 'cpu' else '_wall'}.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_CLOCK": args.clock, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    results: dict[str, dict[str, list[dict]]] = {m: {r: [] for r in RUNNERS} for m in MODELS}
+    models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    results: dict[str, dict[str, list[dict]]] = {m: {r: [] for r in RUNNERS} for m in models}
+    began = time.perf_counter()
     for rep in range(args.reps):
-        for model in MODELS:
+        for model in models:
             order = RUNNERS if rep % 2 == 0 else tuple(reversed(RUNNERS))  # interleaved, order alternates
             for runner in order:
-                out = subprocess.run([sys.executable, __file__, "--child", runner, model], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-                results[model][runner].append(json.loads(out.strip().splitlines()[-1]))
-                print(rep, model, runner, results[model][runner][-1], flush=True)
+                results[model][runner].append(spawn(runner, model, env))
+                print(rep, model, runner, json.dumps(results[model][runner][-1]), flush=True)
+    took = time.perf_counter() - began
+    command = f".venv/bin/python benchmarks/overhead_torch.py --reps {args.reps} --models {','.join(models)}"
     lines = ["# Per-step overhead: unifit vs a hand-written loop vs Lightning (CPU, 1 thread)", "",
-             f"Command: `.venv/bin/python benchmarks/overhead_torch.py --reps {args.reps} --clock {args.clock}`",
+             f"Command: `{command}` ({took / 60:.0f} min)",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-             f"date {time.strftime('%Y-%m-%d')}; median of {args.reps} interleaved runs, each in its own process; "
-             f"clock: {'process CPU time' if args.clock == 'cpu' else 'wall time'} of one training epoch.", "",
-             "| model | steps/epoch | raw steps/s | unifit steps/s | Lightning steps/s | unifit/raw | unifit/Lightning | peak RSS MB raw / unifit / Lightning |",
-             "|---|---|---|---|---|---|---|---|"]
-    summary = {}
-    for model, by_runner in results.items():
-        med = {r: statistics.median(x["steps_per_s"] for x in by_runner[r]) for r in RUNNERS}
-        rss = {r: statistics.median(x["peak_rss_mb"] for x in by_runner[r]) for r in RUNNERS}
-        summary[model] = {"steps_per_s": med, "peak_rss_mb": rss, "unifit_over_raw": med["unifit"] / med["raw"],
-                          "unifit_over_lightning": med["unifit"] / med["lightning"], "runs": by_runner}
-        lines.append(f"| {model} | {MODELS[model]['steps']} | {med['raw']:.0f} | {med['unifit']:.0f} | {med['lightning']:.0f} | "
-                     f"{med['unifit'] / med['raw']:.3f} | {med['unifit'] / med['lightning']:.2f} | "
-                     f"{rss['raw']:.0f} / {rss['unifit']:.0f} / {rss['lightning']:.0f} |")
+             f"date {time.strftime('%Y-%m-%d')}; load average at the end {os.getloadavg()[0]:.1f}; median of {args.reps} "
+             "interleaved runs, each in its own process; one training epoch (set-up excluded), steps/s. "
+             "unifit minimal: progress bar, checkpoints, TensorBoard off; defaults: all on, stderr a terminal. "
+             "`+ epoch end`: until after unifit's epoch-end callbacks (checkpoint included).", ""]
+    for clock in ("cpu", "wall"):
+        lines += table(results, models, clock, args.reps)
+    tty = all(x["stderr_tty"] for m in models for x in results[m]["unifit_defaults"])
+    lines.append(f"unifit defaults ran with stderr a terminal (progress bar on): {tty}.")
+    summary = {"command": command, "minutes": took / 60}
+    for model in models:
+        by = results[model]
+        summary[model] = {
+            clock: {"steps_per_s": {r: statistics.median(x["steps_per_s"][clock] for x in by[r]) for r in RUNNERS}}
+            for clock in ("cpu", "wall")}
+        for clock in ("cpu", "wall"):
+            s = summary[model][clock]["steps_per_s"]
+            summary[model][clock].update({f"{r}_over_raw": s[r] / s["raw"] for r in RUNNERS if r != "raw"})
+        summary[model]["peak_rss_mb"] = {r: statistics.median(x["peak_rss_mb"] for x in by[r]) for r in RUNNERS}
+        summary[model]["runs"] = by
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print("\n".join(lines))
