@@ -111,3 +111,52 @@ def test_imports_run_one_way():
     entry = {"unifit", "unifit.__main__", "unifit.trainer"}  # lazy re-exports and `python -m unifit`
     outside = sorted(m for m in modules - entry if not any(m == c or m.startswith(c + ".") for c in covered))
     assert not outside, f"modules in no layer of the import contract: {outside}"
+
+
+class _RankView:
+    """Strategy.load_checkpoint as rank 1 of 2 sees it (rank 0's side is the real code at world 1)."""
+
+    def __init__(self, others_blind: bool):
+        from unifit.strategies.base import Strategy
+        from unifit.strategies.environment import ClusterEnvironment
+
+        class Rank1(Strategy):
+            name = "rank1"
+
+            def rank_zero_call(self, fn):
+                return "s3://bucket/ckpt/epoch=0001-step=0000004"  # what rank 0 found
+
+            def all_reduce_max(self, values):
+                return values if not others_blind else np.maximum(values, 1.0)
+
+            def broadcast_object(self, obj, src=0):
+                return {"from": "rank 0"}
+
+        import numpy as np
+
+        self.strategy = Rank1(ClusterEnvironment(rank=1, world_size=2))
+
+
+@pytest.mark.parametrize("readable, others_blind, expected", [
+    (True, False, {"from": "rank 1's own read"}),  # shared storage: no weights over the wire
+    (False, False, {"from": "rank 0"}),  # this rank cannot read it: rank 0 sends
+    (True, True, {"from": "rank 0"}),  # another rank cannot: everyone takes rank 0's copy
+])
+def test_every_rank_reads_its_state_itself_where_it_can(readable, others_blind, expected):
+    def read_at(url):
+        assert url == "s3://bucket/ckpt/epoch=0001-step=0000004"
+        if not readable:
+            raise FileNotFoundError(url)
+        return {"from": "rank 1's own read"}
+
+    state, url = _RankView(others_blind).strategy.load_checkpoint(lambda: (None, None), read_at)
+    assert state == expected and url.endswith("epoch=0001-step=0000004")
+
+
+@pytest.mark.timeout(300)
+def test_ranks_on_a_shared_directory_read_the_checkpoint_themselves(tmp_path):
+    run = tmp_path / "run"
+    assert_ok(run_unifit(*probe_args("ddp", run, "--trainer.max_epochs", "1")))
+    resumed = run_unifit(*probe_args("ddp", run, "--trainer.max_epochs", "2", ckpt="last"))
+    assert_ok(resumed)
+    assert "every rank read" in resumed.stderr and "sends its copy" not in resumed.stderr

@@ -11,6 +11,7 @@ Starting the processes is a launcher's job (see `launchers/`), not the strategy'
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, ContextManager, Iterator
 
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from unifit.errors import ConfigError, DistributedError, UnifitError, first_line
 from unifit.strategies.environment import ClusterEnvironment
+
+log = logging.getLogger("unifit")
 
 
 class NoOptions(BaseModel):
@@ -103,9 +106,37 @@ class Strategy(ABC):
         if self.is_global_zero:
             commit(files)
 
-    def load_checkpoint(self, read: Callable[[], Any]) -> Any:
-        """Rank 0 reads the checkpoint (it may be on rank 0's disk only), every rank receives it."""
-        return self.rank_zero_call(read)
+    def load_checkpoint(self, find: Callable[[], tuple[Any, str | None]],
+                        read_at: Callable[[str], Any]) -> tuple[Any, str | None]:
+        """Rank 0 finds the checkpoint to resume from and reads it: `find()` -> (state, its URL), or
+        (None, None) for none. Where every rank can read that URL (a shared disk, S3), each reads its
+        own copy; otherwise (rank 0's local disk) rank 0's copy is broadcast. Returns (state, URL)."""
+        mine: list[Any] = [None]
+
+        def locate() -> str | None:
+            mine[0], url = find()
+            return url
+
+        url = self.rank_zero_call(locate)
+        if url is None or self.world_size == 1:
+            return mine[0], url
+        failed: BaseException | None = None
+        if not self.is_global_zero:
+            try:
+                mine[0] = read_at(url)
+            except Exception as exc:  # e.g. rank 0's local disk: not there on this host
+                failed = exc
+        blind = self.all_reduce_max(np.array([float(self.rank) if failed else -1.0]))[0]
+        if blind < 0:
+            if self.is_global_zero:
+                log.info("resume: every rank read %s itself", url)
+            return mine[0], url
+        if failed is not None:
+            log.info("resume: rank %d cannot read %s (%s: %s); rank 0 sends its copy", self.rank, url,
+                     type(failed).__name__, first_line(failed))
+        if self.is_global_zero:
+            log.info("resume: not every rank can read %s (rank %d cannot); rank 0 sends its copy", url, int(blind))
+        return self.broadcast_object(mine[0] if self.is_global_zero else None), url
 
     def rank_zero_call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on rank 0 only and give every rank its result, or raise its error on every rank."""

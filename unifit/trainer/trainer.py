@@ -16,7 +16,7 @@ import numpy as np
 from unifit._imports import load_object
 from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError, UnifitError, first_line
-from unifit.storage import check_writable, is_remote
+from unifit.storage import check_writable, filesystem, is_remote
 from unifit.strategies import environment, registry
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
 from unifit.trainer.committer import Committer
@@ -221,11 +221,11 @@ class Trainer:
         run = self._run
         engine, strategy, store = run.engine, run.strategy, run.store
 
-        def read() -> tuple[dict[str, Any] | None, str | None]:
+        def find() -> tuple[dict[str, Any] | None, str | None]:  # rank 0
             candidates = store.candidates(spec)
             for i, (fs, path) in enumerate(candidates):
                 try:
-                    return engine.read_checkpoint(fs, path), path
+                    return engine.read_checkpoint(fs, path), fs.unstrip_protocol(path).removeprefix("file://")
                 except Exception as exc:
                     if i + 1 == len(candidates):
                         raise
@@ -234,7 +234,10 @@ class Trainer:
             log.info("--ckpt-path %s: no committed checkpoint in %s; starting fresh", spec, store.url)
             return None, None
 
-        payload, path = strategy.load_checkpoint(read)
+        def read_at(url: str) -> dict[str, Any]:  # the other ranks, where they can
+            return engine.read_checkpoint(*filesystem(url, self.config.storage_options))
+
+        payload, path = strategy.load_checkpoint(find, read_at)
         if payload is None:
             return None
         engine.load_state_dict(payload["engine"])
