@@ -183,6 +183,11 @@ class MWMSStrategy(TFDistributeStrategy):
 
         import tensorflow as tf
 
+        if self.world_size > 1 and "TF_CONFIG" not in os.environ:  # e.g. `srun unifit fit`: each would train alone
+            raise ConfigError(
+                f"trainer.strategy: mwms: this process is one of {self.world_size} ({self.env.source}), but TF_CONFIG "
+                "is not set, so each would train alone; start the workers with: unifit launch --nproc-per-node N "
+                "(it writes TF_CONFIG), see docs/clusters.md")
         if self.world_size == 1 and "TF_CONFIG" not in os.environ:
             logging.getLogger("unifit").warning(
                 "mwms: TF_CONFIG is not set, running a single worker; start N workers with: "

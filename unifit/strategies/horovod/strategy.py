@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
 from unifit._imports import load_object
-from unifit.errors import DistributedError, MissingExtraError, error_prefix, first_line
+from unifit.errors import ConfigError, DistributedError, MissingExtraError, error_prefix, first_line
 from unifit.strategies.base import Strategy
 from unifit.strategies.keras_training import KerasTraining
 from unifit.strategies.torch_training import TorchTraining
@@ -84,6 +84,11 @@ class HorovodStrategy(Strategy, TorchTraining, KerasTraining):
         hvd.init()
         self._started = True
         launched = self.env.source != "none"  # what the environment readers found before init
+        if self.env.world_size > 1 and hvd.size() == 1:  # e.g. `srun unifit fit`: each would train alone
+            raise ConfigError(
+                f"trainer.strategy: horovod: this process is one of {self.env.world_size} ({self.env.source}), but "
+                "Horovod sees a world of 1, so each would train alone; start the ranks with horovodrun: unifit "
+                "launch --nproc-per-node N, see docs/clusters.md")
         self.env = dataclasses.replace(
             self.env, rank=hvd.rank(), world_size=hvd.size(), local_rank=hvd.local_rank(),
             local_world_size=hvd.local_size(), node_rank=hvd.cross_rank(), source="horovod")
