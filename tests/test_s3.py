@@ -46,7 +46,7 @@ def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_
     resumed = launch_probe(strategy, part, "--trainer.max_epochs", "4", *common, ckpt="last",
                            report_dir=tmp_path / "part", env=s3_endpoint.env)
     assert_ok(resumed)
-    assert f"resumed from {bucket}/part/checkpoints/epoch=0002" in resumed.stderr
+    assert f"resumed from s3://{bucket}/part/checkpoints/epoch=0002" in resumed.stderr
 
     # checkpoints committed in S3, last pointer at the end; the run resumed from is protected
     fs.invalidate_cache()
