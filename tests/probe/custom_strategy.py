@@ -41,9 +41,9 @@ class CountingDDP(DDPStrategy):
         self.counts["save"] += 1
         super().save_checkpoint(snapshot, commit)
 
-    def load_checkpoint(self, read: Any) -> Any:
+    def load_checkpoint(self, find: Any, read_at: Any) -> Any:
         self.counts["load"] += 1
-        return super().load_checkpoint(read)
+        return super().load_checkpoint(find, read_at)
 
     def teardown(self) -> None:
         out = os.environ.get("COUNTING_STRATEGY_OUT")
