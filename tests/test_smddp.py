@@ -22,26 +22,25 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(180)
-def test_hierarchical_gradients_equal_flat_ddp_on_2_nodes_x_2_ranks():
+def test_hierarchical_gradients_equal_flat_ddp_on_2_nodes_x_2_ranks(tmp_path):
     """Two torchrun 'nodes' on this machine (static rendezvous), 2 ranks each."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HIERARCHY_OUT": str(tmp_path)}
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
          "tests/probe/hierarchy_check.py"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for node in (0, 1)]
-    outputs = []
     try:
         for proc in nodes:
-            out, err = proc.communicate(timeout=150)
+            _, err = proc.communicate(timeout=150)
             assert proc.returncode == 0, err
-            outputs += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     finally:
         for proc in nodes:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
+    outputs = [json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")]
     assert sorted(o["rank"] for o in outputs) == [0, 1, 2, 3]
     assert all(o["nodes"] == 2 for o in outputs)
     assert max(o["max_abs_diff"] for o in outputs) <= 1e-6, outputs

@@ -1,12 +1,15 @@
 """Run under torchrun as 2 nodes x 2 ranks: the smddp-like hook's gradients must equal flat DDP's.
 
-Prints one JSON line per rank: the largest absolute difference over every gradient.
+Writes one JSON file per rank into $HIERARCHY_OUT (ranks writing one pipe at once can interleave their
+lines): the largest absolute difference over every gradient.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +38,8 @@ def main() -> None:
         for a, b in zip(flat.parameters(), hierarchical.parameters()):
             worst = max(worst, float((a.grad - b.grad).abs().max()))
     buckets = len(list(hierarchical.module.parameters()))
-    print(json.dumps({"rank": strategy.rank, "nodes": strategy.topology.nodes, "max_abs_diff": worst,
-                      "params": buckets}), flush=True)
+    report = {"rank": strategy.rank, "nodes": strategy.topology.nodes, "max_abs_diff": worst, "params": buckets}
+    Path(os.environ["HIERARCHY_OUT"], f"rank{strategy.rank}.json").write_text(json.dumps(report))
     dist.barrier()
     strategy.teardown()
 
