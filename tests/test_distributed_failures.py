@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
 import pytest
 
-from tests.helpers import launch_probe
+from tests.helpers import STRATEGY_PROCS, launch_probe
 
 
 @pytest.mark.timeout(150)
@@ -64,3 +66,23 @@ def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path, strategy
                and "do not call save_checkpoint inside 'if rank == 0'" in line]
     assert stopped, result.stderr  # a rank stopped with the one-line hint, nothing hung
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "horovod", "mwms"])
+def test_kill_9_of_one_rank_ends_every_process_and_names_it(tmp_path, strategy):
+    """Without restarts, kill -9 of one rank mid-epoch: every process ends non-zero within 60 s and one
+    line names the rank that died (the others only see a reset connection or a timed-out collective)."""
+    rank = STRATEGY_PROCS[strategy] - 1  # smddp-like: a rank on the second 'node'
+    marker = tmp_path / "killed"
+    kill = [{"class_path": "tests.probe.probe.KillOnce", "init_args": {"marker": str(marker), "rank": rank}}]
+    result = launch_probe(strategy, tmp_path / "run", "--trainer.checkpoint.enabled", "false",
+                          callbacks=kill, timeout=180)
+    ended = time.time()
+    assert marker.exists(), result.stderr[-3000:]  # the rank really was killed mid-run
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert ended - marker.stat().st_mtime < 60, result.stderr[-3000:]
+    named = [line for line in result.stderr.splitlines() if line.startswith(f"unifit: rank {rank} died (killed by SIGKILL)")]
+    assert len(named) == 1, result.stderr[-3000:]
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of the job still running: {left}"

@@ -200,9 +200,10 @@ def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoi
     assert fs.cat_file(f"{path}/state.pt") == b"good"
 
 
-def test_missing_bucket_is_found_before_training(s3_endpoint, tmp_path):
+@pytest.mark.parametrize("ckpt", [None, "auto"])  # auto must not read an unlistable location as "no checkpoint yet"
+def test_missing_bucket_is_found_before_training(s3_endpoint, tmp_path, ckpt):
     result = launch_probe("single", tmp_path / "run", "--trainer.checkpoint.dir", "s3://no-such-bucket-x/ckpt",
-                          env=s3_endpoint.env, timeout=120)
+                          env=s3_endpoint.env, timeout=120, ckpt=ckpt)
     assert result.returncode == 2, result.stderr
     assert "trainer.checkpoint.dir: 's3://no-such-bucket-x/ckpt' cannot be written: the bucket does not exist" in result.stderr
     assert "epoch 1" not in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +75,34 @@ def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = N
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 + received[0] if received and code != 0 else code
+
+
+# What launchers stop the remaining ranks with, and what a preempted rank exits with (128 + it): a rank
+# ended by one of these was stopped, it did not die.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def death_signal(code: int) -> signal.Signals | None:
+    """The signal that killed a process (kill -9, the OOM killer, a segfault) from its exit code:
+    negative from Popen and torchrun, 128 + N through a shell (horovodrun); None for a plain exit."""
+    number = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        sig = signal.Signals(number)
+    except ValueError:
+        return None
+    return None if sig in _STOP_SIGNALS else sig
+
+
+def failure_line(codes: Mapping[int | str, int], stopped_by: str) -> str:
+    """One line for a failed launch, naming the rank that died when one was killed: the others then
+    fail only because it is gone (a reset connection, a timed-out collective), which names nobody."""
+    listed = ", ".join(f"rank {rank} exit {code}" for rank, code in codes.items())
+    killed = [(rank, sig) for rank, code in codes.items() if (sig := death_signal(code))]
+    if killed:
+        rank, sig = killed[0]
+        return (f"unifit: rank {rank} died (killed by {sig.name}); the other ranks were stopped by {stopped_by} "
+                f"({listed}); the ranks' own errors are above")
+    return f"unifit: launch failed ({listed}, the others stopped by {stopped_by}); the ranks' own errors are above"
 
 
 def fit_command(spec: LaunchSpec) -> list[str]:

@@ -8,11 +8,12 @@ the first host (over ssh for remote hosts), so only node 0 launches.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
 from unifit.errors import ConfigError
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, terminal_announced
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, terminal_announced
 
 
 class HorovodrunLauncher(Launcher):
@@ -38,6 +39,9 @@ class HorovodrunLauncher(Launcher):
         import_horovod("runner.launch", "HOROVOD_WITH_PYTORCH")  # a missing Horovod says how to install it
         from horovod.runner.launch import run_commandline
 
+        # horovodrun's gloo_built() check imports horovod.tensorflow in a forked child, which would print
+        # TensorFlow's start-up log block into a torch job; unifit's Keras engine sets the same default
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         argv, sys.argv = sys.argv, ["horovodrun", *self.horovodrun_args(spec)]
         try:
             # the ranks get pipes (each line prefixed, `[0]<stderr>:`) in a session of their own; rank 0
@@ -47,8 +51,7 @@ class HorovodrunLauncher(Launcher):
         except RuntimeError as exc:  # horovodrun stopped the other ranks after the first failure
             found = re.search(r"Process name: (\S+)\s+Exit code: (-?\d+)", str(exc))
             rank, code = (found.group(1), int(found.group(2))) if found else ("?", 1)
-            print(f"unifit: launch failed (rank {rank} exit {code}, the others stopped by horovodrun); "
-                  "the ranks' own errors are above", file=sys.stderr)
+            print(failure_line({rank: code}, "horovodrun"), file=sys.stderr)
             return code if code > 0 else 1
         finally:
             sys.argv = argv

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, rank_environment
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, rank_environment
 
 
 def _free_ports(count: int) -> list[int]:
@@ -61,25 +61,27 @@ class TFConfigLauncher(Launcher):
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            code = _wait_all(procs, signalled=received)
+            code = _wait_all(dict(zip(mine, procs)), signalled=received)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         return 128 + received[0] if received and code != 0 else code
 
 
-def _wait_all(procs: list[subprocess.Popen], grace_s: float = 10.0, signalled: list[int] | None = None) -> int:
-    """Wait for every worker; on the first failure stop the rest and return its exit code (after a
-    forwarded signal the others get 30 s: they are committing a checkpoint)."""
+def _wait_all(workers: dict[int, subprocess.Popen], grace_s: float = 10.0, signalled: list[int] | None = None) -> int:
+    """Wait for every worker (by its index, which is its rank); on the first failure stop the rest and
+    return its exit code (after a forwarded signal the others get 30 s: they are committing a checkpoint)."""
+    procs = list(workers.values())
     try:
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            codes = {index: p.poll() for index, p in workers.items()}
+            failed = {index: code for index, code in codes.items() if code not in (None, 0)}
             if failed:
                 _stop(procs, 30.0 if signalled else grace_s)
-                print(f"unifit: a worker exited with {failed[0]}; the other workers were stopped", file=sys.stderr)
-                return failed[0] if failed[0] > 0 else 1
-            if all(c == 0 for c in codes):
+                print(failure_line(failed, "unifit launch"), file=sys.stderr)
+                first = next(iter(failed.values()))
+                return first if first > 0 else 1
+            if all(c == 0 for c in codes.values()):
                 return 0
             time.sleep(0.2)
     except KeyboardInterrupt:

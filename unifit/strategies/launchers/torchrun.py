@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, fit_command, terminal_announced
+from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, terminal_announced
 
 
 class TorchrunLauncher(Launcher):
@@ -48,8 +48,7 @@ class TorchrunLauncher(Launcher):
             return 128 + int(exc.sigval)
         except ChildFailedError as exc:
             codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
-            failed = ", ".join(f"rank {rank} exit {code}" for rank, code in codes.items())
-            print(f"unifit: launch failed ({failed}); the ranks' own errors are above", file=sys.stderr)
+            print(failure_line(codes, "torchrun"), file=sys.stderr)
             # a rank's own exit code (2: user error, 1: training failure), not the signal that ended the rest
             return max([code for code in codes.values() if code > 0], default=1)
         return 0
