@@ -83,31 +83,31 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
 
 
 def load_experiment(path: str, overrides: dict[str, str]) -> Any:
-    """The validated experiment; its strategy is checked after the schema, once user code is importable
-    (a strategy may be the class path of the user's own Strategy)."""
+    """The validated experiment; its strategy and the init_args of its classes are checked after the
+    schema, once user code is importable (a strategy may be the class path of the user's own Strategy)."""
     from unifit.strategies import registry
-    from unifit.trainer.loading import apply_overrides, load_yaml, validate_experiment
+    from unifit.trainer.loading import apply_overrides, check_classes, load_yaml, validate_experiment
 
     experiment = validate_experiment(apply_overrides(load_yaml(path), overrides), source=path)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # let class paths name modules of the working directory
     registry.entry(experiment.trainer.strategy)
+    check_classes(experiment)
     return experiment
 
 
 def _fit(args: argparse.Namespace, overrides: dict[str, str]) -> int:
-    from unifit._imports import load_object
+    from unifit.trainer.init_args import build
     from unifit.trainer.trainer import Trainer
 
-    experiment = load_experiment(args.config, overrides)
+    experiment = load_experiment(args.config, overrides)  # imports the module's class (and torch with it)
     trainer = Trainer(experiment.trainer)
     trainer.experiment = experiment
-    module_cls = load_object(experiment.module.class_path, field="module.class_path")
     _seed_init(experiment.trainer.seed)
-    module = _build(module_cls, experiment.module.init_args, "module")
+    module = build(experiment.module.class_path, experiment.module.init_args, "module")  # nested objects too
     data = None
     if experiment.data is not None:
-        data = _build(load_object(experiment.data.class_path, field="data.class_path"), experiment.data.init_args, "data")
+        data = build(experiment.data.class_path, experiment.data.init_args, "data")
     trainer.fit(module, data=data, ckpt_path=args.ckpt_path)
     return 0
 
@@ -121,14 +121,6 @@ def _seed_init(seed: int) -> None:
         import torch
 
         torch.manual_seed(seed)
-
-
-def _build(cls: Any, init_args: dict[str, Any], section: str) -> Any:
-    try:
-        return cls(**init_args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{section}.init_args: {cls.__name__}({', '.join(init_args)}) failed: {exc}; "
-                          f"fix {section}.init_args to match {cls.__name__}.__init__") from None
 
 
 def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[str]) -> int:

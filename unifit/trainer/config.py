@@ -21,7 +21,7 @@ class ClassPath(_Strict):
     """An object built from a dotted class path and keyword arguments."""
 
     class_path: str = Field(description="Dotted path, e.g. examples.digits.torch_module.DigitsClassifier.")
-    init_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the class.")
+    init_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the class, checked against its __init__ type hints; a nested {class_path, init_args} is built into an instance.")
 
 
 class CheckpointConfig(_Strict):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from unifit.errors import ConfigError
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
+from unifit.trainer.init_args import check
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -85,9 +86,25 @@ def validate_experiment(data: dict[str, Any], source: str = "config") -> Experim
 def validate_trainer(kwargs: dict[str, Any]) -> TrainerConfig:
     """Validate Trainer(...) keyword arguments, with the same messages as the YAML path."""
     try:
-        return TrainerConfig.model_validate(kwargs)
+        config = TrainerConfig.model_validate(kwargs)
     except ValidationError as exc:
         raise ConfigError(f"Trainer(...): {explain(exc, TrainerConfig, kwargs, prefix='')}") from None
+    _check_callbacks(config)
+    return config
+
+
+def check_classes(experiment: ExperimentConfig) -> None:
+    """Import every class the experiment names and check its init_args against its __init__, so a
+    mistake fails here, in one line, before any process starts (the schema alone cannot see them)."""
+    check(experiment.module.class_path, experiment.module.init_args, "module")
+    if experiment.data is not None:
+        check(experiment.data.class_path, experiment.data.init_args, "data")
+    _check_callbacks(experiment.trainer)
+
+
+def _check_callbacks(config: TrainerConfig) -> None:
+    for i, callback in enumerate(config.callbacks):
+        check(callback.class_path, callback.init_args, f"trainer.callbacks.{i}")
 
 
 def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str = "") -> str:
