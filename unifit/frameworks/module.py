@@ -33,6 +33,10 @@ class ModuleBase:
     def _detach(self, value: Any) -> Any:
         return value
 
+    def configure_callbacks(self) -> list[Any]:
+        """unifit Callbacks this module brings along (run after trainer.callbacks, as Lightning's are)."""
+        return []
+
     # ---- data: the Trainer shards these; batch_size is per replica --------------------------
     def train_dataset(self) -> Any:
         """The training data: a torch Dataset, or a tuple of arrays (x, y, ...)."""

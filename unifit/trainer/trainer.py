@@ -18,12 +18,14 @@ from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError, UnifitError, first_line
 from unifit.storage import check_writable, filesystem, is_remote
 from unifit.strategies import environment, registry
+from unifit.trainer.adapt import trainable
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
 from unifit.trainer.committer import Committer
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
 from unifit.trainer.context import FitContext
 from unifit.trainer.dispatcher import Dispatcher
 from unifit.trainer.events import Event
+from unifit.trainer.init_args import build
 from unifit.trainer.loading import resolved_yaml, validate_trainer
 from unifit.trainer.state import Progress, TrainState
 
@@ -66,7 +68,8 @@ class Trainer:
         """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
         ('last', 'best', a checkpoint name or directory). Returns the final TrainState."""
         cfg = self.config
-        registry.check_framework(cfg.strategy, getattr(module, "framework", "?"), type(module).__name__)
+        given, (module, data) = module, trainable(module, data)
+        registry.check_framework(cfg.strategy, module.framework, type(given).__name__)
         strategy = registry.create(
             cfg.strategy, environment.detect(), framework=module.framework, accelerator=cfg.accelerator,
             collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
@@ -81,12 +84,12 @@ class Trainer:
             engine.setup()
             state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
             run = self._run = _Run(engine, strategy, store, Committer(background=is_remote(cfg.checkpoint_dir)),
-                                   self._callbacks())
+                                   self._callbacks(module))
             ctx = run.ctx = FitContext(
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
                 finite_probe=engine.finite_probe, current_lrs=engine.current_lrs,
                 all_reduce_max=strategy.all_reduce_max, save_checkpoint=self.save_checkpoint,
-                model_files=engine.model_files, resolved_config=self._resolved_config(module), store=store)
+                model_files=engine.model_files, resolved_config=self._resolved_config(given), store=store)
             resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
             if resumed:
                 ctx.last_checkpoint = resumed
@@ -204,14 +207,14 @@ class Trainer:
                 break
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _callbacks(self) -> list[Callback]:
+    def _callbacks(self, module: Any) -> list[Callback]:
         from unifit.callbacks import default_callbacks
 
-        user = [load_object(c.class_path, field="trainer.callbacks")(**c.init_args) for c in self.config.callbacks]
+        user = [build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(self.config.callbacks)]
         for cb in user:
             if not isinstance(cb, Callback):
                 raise ConfigError(f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback")
-        every = [*default_callbacks(self.config), *user, *self.extra_callbacks]
+        every = [*default_callbacks(self.config), *user, *self.extra_callbacks, *module.configure_callbacks()]
         return [cb for cb in every if not cb.runs_last] + [cb for cb in every if cb.runs_last]
 
     def _resume(self, spec: str) -> str | None:

@@ -1,0 +1,162 @@
+"""Unchanged LightningModules train under unifit: the same weights, hooks and metrics as Lightning's
+own Trainer, on every torch strategy (from YAML too), resumable; what unifit cannot honour is refused."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, ManualOptimBoringModel
+
+from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, run_unifit
+from tests.probe.lightning_probe import Regressor
+from unifit import Trainer
+from unifit.errors import ConfigError
+
+QUIET = {"progress_bar": False, "tensorboard": {"enabled": False}}
+
+
+def _regressor() -> Regressor:
+    torch.manual_seed(0)
+    return Regressor()
+
+
+def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _unifit(root, max_epochs: int, module=None, **kwargs) -> tuple[Regressor, dict]:
+    module = module or _regressor()
+    state = Trainer(strategy="single", max_epochs=max_epochs, batch_size=8, root_dir=str(root), **QUIET,
+                    **kwargs).fit(module, ckpt_path=kwargs.pop("ckpt", None))
+    return module, state.metrics
+
+
+@pytest.mark.timeout(120)
+def test_same_weights_hooks_and_metrics_as_lightnings_own_trainer(tmp_path):
+    theirs = _regressor()
+    lightning_trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    lightning_trainer.fit(theirs)
+    ours, metrics = _unifit(tmp_path, 3)
+    for key, value in _weights(theirs).items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert ours.calls == theirs.calls  # setup, on_fit_start, per epoch: start, validation end, train epoch end, fit end
+    assert ours.seen_at_epoch_end == theirs.seen_at_epoch_end  # current_epoch, global_step, global_rank, world, device
+    assert ours.current_epoch == theirs.current_epoch == 3
+    assert metrics["train_mse"] == pytest.approx(float(lightning_trainer.callback_metrics["train_mse_epoch"]), rel=1e-5)
+    assert metrics["val_mse"] == pytest.approx(float(lightning_trainer.callback_metrics["val_mse"]), rel=1e-5)
+    assert ours.hparams == {"lr": 0.05, "hidden": 16, "n": 64}  # save_hyperparameters
+
+
+@pytest.mark.timeout(120)
+def test_resume_continues_exactly_with_the_modules_checkpoint_hooks(tmp_path):
+    full, _ = _unifit(tmp_path / "full", 3)
+    _unifit(tmp_path / "part", 2)
+    resumed = _regressor()
+    resumed.net[0].weight.data.zero_()  # the checkpoint must overwrite it
+    state = Trainer(strategy="single", max_epochs=3, batch_size=8, root_dir=str(tmp_path / "part"), **QUIET).fit(
+        resumed, ckpt_path="last")
+    assert state.progress.epoch == 3
+    for key, value in _weights(full).items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0)
+    assert resumed.saved_counter == full.saved_counter == 3  # on_load_checkpoint restored what on_save_checkpoint put
+    saved = torch.load(tmp_path / "part" / "checkpoints" / json.loads(
+        (tmp_path / "part" / "checkpoints" / "last.json").read_text())["name"] / "state.pt", weights_only=False)
+    assert set(saved["engine"]["model"]) == set(full.state_dict())  # the module's own keys, as Lightning saves them
+
+
+def _bad(module, message: str, **kwargs) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Trainer(strategy="single", max_epochs=1, batch_size=kwargs.pop("batch_size", 1), root_dir="/tmp/unused-unifit",
+                **QUIET, checkpoint={"enabled": False}).fit(module, **kwargs)
+    text = str(caught.value)
+    assert "\n" not in text and message in text, text
+
+
+class _AfterBackward(BoringModel):
+    def on_after_backward(self) -> None:
+        pass
+
+
+class _MaxReduce(BoringModel):
+    def training_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log("peak", loss, reduce_fx="max")
+        return loss
+
+
+class _LogsAtEpochEnd(BoringModel):
+    def on_train_epoch_end(self) -> None:
+        self.log("late", 1.0)
+
+
+class _SkipsBatches(BoringModel):
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_what_unifit_cannot_honour_is_refused_in_one_line():
+    _bad(ManualOptimBoringModel(), "automatic_optimization = False")  # Lightning's own demo
+    _bad(_AfterBackward(), "overrides on_after_backward")
+    _bad(_MaxReduce(), "reduce_fx='max'")
+    _bad(_LogsAtEpochEnd(), "self.log('late', ...) outside training_step/validation_step")
+    _bad(_SkipsBatches(), "training_step returned None")
+    _bad(BoringModel(), "the DataLoader's batch_size is 1 but trainer.batch_size is 4", batch_size=4)
+    _bad(Regressor, "received the class Regressor, not an instance")
+    _bad(torch.nn.Linear(2, 2), "pass a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass")
+
+
+def _launch_yaml(tmp_path, strategy: str, sections: str, batch_size: int) -> list[dict]:
+    """`unifit launch -c exp.yaml` with the strategy's process count; each rank's LightningReport."""
+    report = {"class_path": "tests.probe.lightning_probe.LightningReport", "init_args": {"out_dir": str(tmp_path / "r")}}
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(sections + f"""
+trainer:
+  strategy: {strategy}
+  max_epochs: 2
+  batch_size: {batch_size}
+  root_dir: {tmp_path / 'run'}
+  progress_bar: false
+  callbacks: [{json.dumps(report)}]
+""")
+    procs = STRATEGY_PROCS[strategy]
+    result = run_unifit("launch", "--nproc-per-node", str(procs), "-c", str(experiment),
+                        *STRATEGY_OPTIONS.get(strategy, []), timeout=240)
+    assert_ok(result)
+    reports = [json.loads(f.read_text()) for f in sorted((tmp_path / "r").glob("report_*.json"))]
+    assert len(reports) == procs and len({r["weights_sha256"] for r in reports}) == 1  # every rank the same model
+    return reports
+
+
+@pytest.mark.timeout(300)
+def test_lightnings_own_demo_module_and_datamodule_unchanged_from_yaml(tmp_path):
+    reports = _launch_yaml(tmp_path, "ddp", """
+module:
+  class_path: lightning.pytorch.demos.boring_classes.BoringModel
+data:
+  class_path: lightning.pytorch.demos.boring_classes.BoringDataModule
+""", batch_size=1)
+    assert reports[0]["keys"] == ["layer.bias", "layer.weight"]
+    assert reports[0]["metrics"]["train/loss"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "horovod"])
+def test_lightning_module_with_its_hooks_on_every_torch_strategy(tmp_path, strategy):
+    reports = _launch_yaml(tmp_path, strategy, """
+module:
+  class_path: tests.probe.lightning_probe.Regressor
+  init_args: {lr: 0.02, hidden: 8}
+""", batch_size=8)
+    world = STRATEGY_PROCS[strategy]
+    for r in reports:
+        assert [s["rank"] for s in r["seen_at_epoch_end"]] == [r["rank"]] * 2  # self.global_rank
+        assert {s["world"] for s in r["seen_at_epoch_end"]} == {world}  # self.trainer.world_size
+        assert [s["epoch"] for s in r["seen_at_epoch_end"]] == [0, 1]  # self.current_epoch
+        epoch = ["on_train_epoch_start", "on_validation_epoch_end", "on_train_epoch_end"]
+        assert r["calls"] == ["setup:fit", "on_fit_start", *epoch, *epoch]  # reported before the module's on_fit_end
+    assert {"train_mse", "val_mse"} <= set(reports[0]["metrics"])

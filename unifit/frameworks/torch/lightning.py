@@ -1,0 +1,254 @@
+"""Train an unchanged `lightning.LightningModule` (and `LightningDataModule`) on every torch strategy.
+
+`LightningAdapter` is a TrainModule that delegates to the LightningModule: its steps, optimizers,
+data loaders and own hooks. The module sees a small stand-in for Lightning's Trainer
+(`self.trainer.current_epoch`, `global_step`, `world_size`, ...), and `self.log` / `log_dict` write
+into unifit's metrics, which are exact sample-weighted means over all ranks (so `sync_dist` is
+always honoured). What unifit cannot honour exactly is refused at set-up in one line rather than
+ignored: manual optimization, hooks inside the optimizer step (`on_after_backward`,
+`optimizer_step`, ...), several validation loaders, reductions other than the mean, and logging
+outside a step. docs/lightning.md lists what is covered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unifit.errors import ConfigError
+from unifit.frameworks.torch.module import TrainModule
+from unifit.strategies import environment
+
+# hooks Lightning calls inside its optimizer step; unifit's Strategy owns that step (backward,
+# gradient sync, unscale, clipping), so a module overriding one of them is refused, not half-run
+_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
+               "optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping",
+               "lr_scheduler_step", "manual_backward", "configure_sharded_model")
+# the Trainer attributes a LightningModule may read through self.trainer
+_TRAINER_FACTS = ("current_epoch", "global_step", "global_rank", "local_rank", "world_size", "num_nodes",
+                  "is_global_zero", "max_epochs", "callback_metrics", "logged_metrics", "training",
+                  "sanity_checking", "num_devices", "should_stop")
+
+
+def is_lightning_module(obj: Any) -> bool:
+    return _derives_from(obj, "LightningModule")
+
+
+def is_lightning_datamodule(obj: Any) -> bool:
+    return _derives_from(obj, "LightningDataModule")
+
+
+def _derives_from(obj: Any, name: str) -> bool:
+    """Checked by name, so that neither lightning nor pytorch_lightning is imported to ask."""
+    return any(c.__name__ == name and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+               for c in type(obj).__mro__)
+
+
+def _overrides(obj: Any, hook: str) -> bool:
+    """True when `hook` is defined below Lightning's base classes (by the user, or a demo module)."""
+    for cls in type(obj).__mro__:
+        if hook in vars(cls):
+            return not cls.__module__.startswith(("lightning.pytorch.core", "pytorch_lightning.core", "torch."))
+    return False
+
+
+class TrainerView:
+    """What `self.trainer` holds for a LightningModule run by unifit: the loop's facts, read live."""
+
+    def __init__(self, max_epochs: int | None = None) -> None:
+        self.ctx: Any = None  # unifit's FitContext, once the fit has set up
+        self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts
+        self.max_epochs = max_epochs
+        self.training = True
+        self.sanity_checking = False
+        self.num_devices = 1
+
+    def _facts(self) -> tuple[int, int, int]:
+        if self.ctx is not None:
+            return self.ctx.rank, self.ctx.world_size, self.ctx.progress.optimizer_step
+        env = environment.detect()  # before set-up (configure_optimizers): the process's rank facts
+        return env.rank, env.world_size, 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._facts()[0]
+
+    @property
+    def local_rank(self) -> int:
+        return environment.detect().local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._facts()[1]
+
+    @property
+    def num_nodes(self) -> int:
+        env = environment.detect()
+        return max(1, env.world_size // max(1, env.local_world_size))
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self.epoch
+
+    @property
+    def global_step(self) -> int:
+        return self._facts()[2]
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.ctx and self.ctx.state.should_stop)
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        if value and self.ctx is not None:
+            self.ctx.state.request_stop("the LightningModule set trainer.should_stop")
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        metrics = self.ctx.state.metrics if self.ctx is not None else {}
+        return {name: torch.tensor(value) for name, value in metrics.items()}
+
+    logged_metrics = callback_metrics
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(f"self.trainer.{name}: unifit runs this LightningModule without a Lightning Trainer; "
+                          f"it offers {', '.join(_TRAINER_FACTS)} (see docs/lightning.md)")
+
+
+class LightningAdapter(TrainModule):
+    """A LightningModule (with its LightningDataModule, if any) as a unifit TrainModule."""
+
+    def __init__(self, lightning_module: Any, datamodule: Any = None) -> None:
+        super().__init__()
+        name = type(lightning_module).__name__
+        if not lightning_module.automatic_optimization:
+            raise ConfigError(f"module: {name} sets automatic_optimization = False (manual optimization); unifit "
+                              "runs the optimizer step itself: return the loss from training_step instead")
+        overridden = [hook for hook in _STEP_HOOKS if _overrides(lightning_module, hook)]
+        if overridden:
+            raise ConfigError(f"module: {name} overrides {', '.join(overridden)}, which run inside Lightning's "
+                              "optimizer step; unifit's strategy owns that step (use trainer.gradient_clip_val for "
+                              "clipping, a unifit Callback for the rest) — remove them to train it with unifit")
+        self.lightning = lightning_module
+        self.datamodule = datamodule
+        self.view = TrainerView()
+        lightning_module.trainer = self.view  # also reaches nested LightningModules
+        lightning_module.log = self._log  # instance attributes: the class and other instances stay Lightning's
+        lightning_module.log_dict = self._log_dict
+        self._in_step = False
+        self._prepared = False
+        self.hooks: list[Any] = []
+
+    # the checkpoint holds the LightningModule's own keys, as Lightning's checkpoints do
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.lightning.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.lightning.load_state_dict(state, strict=strict, assign=assign)
+
+    def to(self, *args: Any, **kwargs: Any) -> "LightningAdapter":
+        self._prepare()  # the engine's first call: Lightning's set-up hooks run before the model is placed
+        self.lightning.to(*args, **kwargs)
+        return self
+
+    def _prepare(self) -> None:
+        """Lightning's order: prepare_data, setup('fit') (data module, then module), configure_model."""
+        if self._prepared:
+            return
+        self._prepared = True
+        for part in (self.datamodule, self.lightning):
+            if part is not None:
+                part.prepare_data()  # every process calls it: keep downloads idempotent (docs/lightning.md)
+                part.setup("fit")
+        self.lightning.configure_model()
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self._in_step = True
+        try:
+            out = self.lightning.training_step(batch, batch_idx)
+        finally:
+            self._in_step = False
+        if out is None:
+            raise ConfigError(f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
+                              "rank must take every step under distributed training: return the loss")
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        lm = self.lightning
+        lm.on_validation_batch_start(batch, batch_idx)
+        self._in_step = True
+        try:
+            out = lm.validation_step(batch, batch_idx)
+        finally:
+            self._in_step = False
+        lm.on_validation_batch_end(out, batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        return self.lightning.configure_optimizers()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.lightning(*args, **kwargs)
+
+    # ---- data ----------------------------------------------------------------------------------
+    def train_dataset(self) -> Any:
+        return self._loader("train_dataloader", required=True)
+
+    def val_dataset(self) -> Any:
+        if not _overrides(self.lightning, "validation_step"):
+            return None
+        return self._loader("val_dataloader", required=False)
+
+    def _loader(self, hook: str, required: bool) -> Any:
+        owner = next((p for p in (self.datamodule, self.lightning) if p is not None and _overrides(p, hook)), None)
+        if owner is None:
+            if required:
+                raise ConfigError(f"module: {type(self.lightning).__name__} has no {hook}(); define it or pass a "
+                                  "LightningDataModule (data: in the YAML, Trainer.fit(module, data=...))")
+            return None
+        loader = getattr(owner, hook)()
+        if isinstance(loader, (list, tuple, dict)):
+            if len(loader) != 1:
+                raise ConfigError(f"{type(owner).__name__}.{hook}() returned {len(loader)} loaders; unifit trains "
+                                  "and validates on one loader: combine them into one dataset")
+            loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
+        return loader
+
+    # ---- logging -------------------------------------------------------------------------------
+    def _log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
+             on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
+             enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
+             add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
+             rank_zero_only: bool = False) -> None:
+        """Lightning's self.log: an epoch mean over every rank, weighted by `batch_size` (exact, so
+        sync_dist is always on); on_step / prog_bar / logger only change where Lightning shows it."""
+        where = f"{type(self.lightning).__name__}: self.log({name!r}, ...)"
+        if reduce_fx not in ("mean", torch.mean):
+            raise ConfigError(f"{where}: reduce_fx={reduce_fx!r}; unifit logs sample-weighted means over all ranks "
+                              "only: log the values to average, or compute the statistic yourself")
+        if _derives_from(value, "Metric") and type(value).__module__.startswith("torchmetrics"):
+            raise ConfigError(f"{where}: a torchmetrics Metric object is not supported yet; log its per-batch "
+                              "value (metric(preds, target)) instead")
+        if not self._in_step:
+            raise ConfigError(f"{where} outside training_step/validation_step: unifit reduces metrics when the "
+                              "loop ends; log inside a step (the epoch mean over all ranks is computed for you)")
+        self.log(name, value, batch_size=batch_size)
+
+    def _log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self._log(name, value, **kwargs)
+
+    def configure_callbacks(self) -> list[Any]:
+        """The callback that calls the LightningModule's own hooks (callbacks/lightning_hooks.py, set
+        by trainer/adapt.py, which may import callbacks)."""
+        own = self.lightning.configure_callbacks()
+        if own:
+            kinds = ", ".join(type(c).__name__ for c in (own if isinstance(own, (list, tuple)) else [own]))
+            raise ConfigError(f"module: {type(self.lightning).__name__}.configure_callbacks() returned Lightning "
+                              f"callbacks ({kinds}); unifit runs unifit.Callback subclasses (trainer.callbacks)")
+        return list(self.hooks)
