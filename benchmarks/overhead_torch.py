@@ -14,6 +14,12 @@ terminal, so that child's stderr is a pseudo-terminal). The training epoch is ti
 on_train_epoch_start to on_train_epoch_end (the loader's first batch, the epoch's metric reduce
 included); `+ epoch end` adds unifit's work after it (summary line, metrics.jsonl, TensorBoard
 flush, the checkpoint), which a hand-written loop does not do.
+
+Timing on a shared machine moves by more than the few percent at stake; `--instructions` counts
+instead the instructions each child executes in the same regions under valgrind's callgrind
+(needs `valgrind`; ~20 min for tiny; repeatable to ~0.1%, whatever else runs):
+
+    .venv/bin/python benchmarks/overhead_torch.py --instructions --models tiny
 """
 
 from __future__ import annotations
@@ -63,6 +69,16 @@ def _clocks() -> tuple[float, float]:
     return time.process_time(), time.perf_counter()
 
 
+MARK = os.environ.get("BENCH_MARK") == "1"
+
+
+def _mark() -> None:
+    """Under `--instructions`, callgrind dumps its counters at every getsid() call (a syscall
+    nothing else here makes), so each timed region gets a dump file of its own."""
+    if MARK:
+        os.getsid(0)
+
+
 def _since(start: tuple[float, float]) -> dict[str, float]:
     cpu, wall = _clocks()
     return {"cpu": cpu - start[0], "wall": wall - start[1]}
@@ -75,6 +91,7 @@ def run_raw(model: str) -> dict[str, dict[str, float]]:
     net, ds = build(model)
     loader = torch.utils.data.DataLoader(ds, batch_size=MODELS[model]["batch"], shuffle=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    _mark()
     start = _clocks()
     for x, y in loader:
         opt.zero_grad(set_to_none=True)
@@ -82,6 +99,8 @@ def run_raw(model: str) -> dict[str, dict[str, float]]:
         loss.backward()
         opt.step()
     train = _since(start)
+    _mark()
+    _mark()  # no epoch-end work: an empty region, so every runner's dumps are numbered alike
     return {"train": train, "epoch": train}
 
 
@@ -91,13 +110,16 @@ class _Timer:
     runs_last = True  # unifit: after every other callback, the checkpoint's included
 
     def on_train_epoch_start(self, *args):
+        _mark()
         self.start = _clocks()
 
     def on_train_epoch_end(self, *args):
         self.train = self.epoch = _since(self.start)
+        _mark()
 
     def on_epoch_end(self, *args):
         self.epoch = _since(self.start)
+        _mark()
 
 
 def run_unifit(model: str, defaults: bool = False) -> dict[str, dict[str, float]]:
@@ -174,6 +196,69 @@ def spawn(runner: str, model: str, env: dict[str, str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _commit() -> str:
+    """The unifit commit measured (the checkout this script belongs to; UNIFIT_COMMIT for a copy)."""
+    root = Path(__file__).resolve().parents[1]
+    found = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "unifit"], capture_output=True, text=True)
+    if found.returncode == 0:
+        return found.stdout.strip() + (" (unifit/ modified)" if dirty.stdout.strip() else "")
+    return os.environ.get("UNIFIT_COMMIT", "?")
+
+
+def instructions(runner: str, model: str, env: dict[str, str], scratch: Path) -> dict:
+    """One child under callgrind: instructions executed in the training epoch and after it,
+    per step. Exact up to ~1% run to run, whatever else loads the machine. The defaults
+    runner gets no terminal here (valgrind slows time 50x, so tqdm, which refreshes by time,
+    would be counted ~50x too often): its progress bar is off."""
+    import re
+
+    out = scratch / f"{runner}-{model}"
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("cg.*"):
+        old.unlink()
+    cmd = ["valgrind", "--tool=callgrind", "--dump-before=getsid", f"--callgrind-out-file={out}/cg",
+           sys.executable, __file__, "--child", runner, model]
+    proc = subprocess.run(cmd, env={**env, "BENCH_MARK": "1", "PYTHONHASHSEED": "0", "UNIFIT_TTY": "0"},
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{runner} {model} under callgrind failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+    def total(i: int) -> int:
+        path = out / f"cg.{i}"
+        if not path.exists():
+            return 0
+        return int(re.search(r"^(?:summary|totals): (\d+)", path.read_text(), re.M).group(1))
+
+    steps = MODELS[model]["steps"]
+    train, end = total(2), total(3)
+    return {"train_ir_per_step": train / steps, "with_epoch_end_ir_per_step": (train + end) / steps}
+
+
+def instructions_report(models: list[str], runners: list[str], env: dict[str, str], jobs: int) -> list[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    scratch = Path("benchmarks/_scratch/callgrind")
+    tasks = [(r, m) for m in models for r in runners]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = dict(zip(tasks, pool.map(lambda t: instructions(*t, env, scratch), tasks)))
+    for (r, m), v in done.items():
+        print(m, r, json.dumps(v), flush=True)
+    lines = ["### instructions (valgrind callgrind; load-independent)", "",
+             "| model | steps/epoch | " + " | ".join(f"{LABELS[r]} Ir/step" for r in runners) + " | " +
+             " | ".join(f"{LABELS[r]}: raw/it (+ epoch end)" for r in runners if r != "raw") + " |",
+             "|---|---|" + "---|" * (2 * len(runners) - 1)]
+    for m in models:
+        raw = done[("raw", m)]
+        lines.append(f"| {m} | {MODELS[m]['steps']} | " + " | ".join(f"{done[(r, m)]['train_ir_per_step']:,.0f}" for r in runners)
+                     + " | " + " | ".join(
+                         f"{raw['train_ir_per_step'] / done[(r, m)]['train_ir_per_step']:.4f} "
+                         f"({raw['with_epoch_end_ir_per_step'] / done[(r, m)]['with_epoch_end_ir_per_step']:.4f})"
+                         for r in runners if r != "raw") + " |")
+    return lines + ["", "raw/it is the time ratio the instruction counts predict at equal instructions per second; "
+                    "unifit defaults here without its progress bar (no terminal under callgrind).", ""]
+
+
 def table(results: dict, models: list[str], clock: str, reps: int) -> list[str]:
     lines = [f"### {'process CPU time' if clock == 'cpu' else 'wall time'}", "",
              "| model | steps/epoch | raw steps/s | unifit minimal | unifit defaults | Lightning | minimal/raw | "
@@ -200,7 +285,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--out", default="benchmarks/results/overhead_torch.md")
+    parser.add_argument("--out", default="benchmarks/results/overhead_torch.md",
+                        help="default: benchmarks/results/overhead_torch.md, overhead_torch_instructions.md with --instructions")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per step under valgrind's callgrind instead of timing (slow, exact)")
+    parser.add_argument("--runners", default="raw,unifit,unifit_defaults",
+                        help="with --instructions: which runners (lightning is slow to import under valgrind)")
+    parser.add_argument("--jobs", type=int, default=2, help="with --instructions: children at once")
     parser.add_argument("--child", nargs=2, metavar=("RUNNER", "MODEL"))
     args = parser.parse_args()
     if args.child:
@@ -210,6 +301,24 @@ def main() -> None:
     if unknown:
         parser.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if args.instructions:
+        runners = [r for r in args.runners.split(",") if r]
+        if "raw" not in runners or set(runners) - set(RUNNERS):
+            parser.error(f"--runners: include raw; choose from {', '.join(RUNNERS)}")
+        began = time.perf_counter()
+        lines = instructions_report(models, runners, env, args.jobs)
+        command = (f".venv/bin/python benchmarks/overhead_torch.py --instructions --models {','.join(models)} "
+                   f"--runners {','.join(runners)}")
+        head = ["# Per-step overhead in instructions: unifit vs a hand-written loop (CPU, 1 thread)", "",
+                f"Command: `{command}` ({(time.perf_counter() - began) / 60:.0f} min)",
+                f"unifit {_commit()}; machine: {platform.machine()}, Python {platform.python_version()}, {subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}; "
+                f"date {time.strftime('%Y-%m-%d')}; one run each (repeatable to ~0.1%): instructions executed "
+                "from on_train_epoch_start to on_train_epoch_end (and to after the epoch-end callbacks), per step.", ""]
+        default = "benchmarks/results/overhead_torch_instructions.md"
+        out = Path(args.out if args.out != parser.get_default("out") else default)
+        out.write_text("\n".join(head + lines))
+        print("\n".join(head + lines))
+        return
     results: dict[str, dict[str, list[dict]]] = {m: {r: [] for r in RUNNERS} for m in models}
     began = time.perf_counter()
     for rep in range(args.reps):
@@ -222,7 +331,7 @@ def main() -> None:
     command = f".venv/bin/python benchmarks/overhead_torch.py --reps {args.reps} --models {','.join(models)}"
     lines = ["# Per-step overhead: unifit vs a hand-written loop vs Lightning (CPU, 1 thread)", "",
              f"Command: `{command}` ({took / 60:.0f} min)",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+             f"unifit {_commit()}; machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
              f"date {time.strftime('%Y-%m-%d')}; load average at the end {os.getloadavg()[0]:.1f}; median of {args.reps} "
              "interleaved runs, each in its own process; one training epoch (set-up excluded), steps/s. "
              "unifit minimal: progress bar, checkpoints, TensorBoard off; defaults: all on, stderr a terminal. "

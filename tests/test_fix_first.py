@@ -241,7 +241,7 @@ def test_nan_guard_flags_a_non_finite_loss_before_the_first_optimizer_step():
     from unifit.errors import NonFiniteLossError
     from unifit.trainer.config import NanGuardConfig
 
-    ctx = SimpleNamespace(rank=0, state=SimpleNamespace(global_step=0), last_checkpoint=None,
+    ctx = SimpleNamespace(rank=0, world_size=1, state=SimpleNamespace(global_step=0), last_checkpoint=None,
                           finite_probe=lambda loss: (lambda: bool(np.isfinite(loss))), all_reduce_max=lambda a: a)
     guard = NanGuard(NanGuardConfig(check_every_n_steps=1))
     with pytest.raises(NonFiniteLossError, match="non-finite loss at step 0 on rank 0"):

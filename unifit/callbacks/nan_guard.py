@@ -38,6 +38,10 @@ class NanGuard(Callback):
                 bad_step = step
         self._pending = waiting
         found = bad_step is not None  # step 0 is a step (accumulation: checks before the first optimizer step)
+        if ctx.world_size == 1:  # nothing to agree on: no all-reduce
+            if found:
+                self._stop(ctx, f"non-finite loss at step {bad_step} on rank 0")
+            return
         flagged = ctx.all_reduce_max(np.array([float(ctx.rank + 1) if found else 0.0, float(bad_step or 0)]))
         if flagged[0]:  # the highest flagged rank, and the latest step flagged on any rank
             self._stop(ctx, f"non-finite loss at step {int(flagged[1])} on rank {int(flagged[0]) - 1}")

@@ -60,7 +60,10 @@ class Preemption(Callback):
         self._agree(ctx)
 
     def _agree(self, ctx: Any) -> None:
-        signum = int(ctx.all_reduce_max(np.array([float(self._received)]))[0])  # every rank, same steps
+        if ctx.world_size == 1:  # one process: its own flag is the agreement
+            signum = self._received
+        else:
+            signum = int(ctx.all_reduce_max(np.array([float(self._received)]))[0])  # every rank, same steps
         if not signum:
             return
         name = signal.Signals(signum).name

@@ -90,6 +90,15 @@ def val_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int,
                       num_workers=num_workers, pin_memory=pin_memory)
 
 
+def batch_sizes(loader: DataLoader, batches: int) -> tuple[int, int]:
+    """Samples in each of the first `batches` batches of a train_loader: (every batch but the last,
+    the last), from its sampler's length, so a step need not look into its batch."""
+    size, length = loader.batch_size, len(loader.sampler)
+    if loader.drop_last or batches < len(loader):
+        return size, size
+    return size, length - size * (len(loader) - 1)
+
+
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the length of its first tensor (tensor, tuple/list or dict)."""
     while True:
