@@ -7,9 +7,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import pytest
+import torch
+
+import unifit
+from tests.probe.probe import ProbeModule
 
 from unifit.errors import CheckpointNotFoundError
 from unifit.trainer.checkpoint_store import MARKER, CheckpointStore, checkpoint_name
@@ -100,3 +104,65 @@ def test_process_killed_mid_save_leaves_no_committed_partial_checkpoint(tmp_path
     assert fs.cat_file(f"{path}/state.pt") == b"good"
     assert not (tmp_path / "epoch=0002-step=0000020").exists()
     assert not os.path.exists(os.path.join(path, "..", "epoch=0002-step=0000020", MARKER))
+
+
+class _Weights(unifit.Callback):
+    """Records the first layer's weight after every optimizer step (before the checkpoint callback)."""
+
+    def __init__(self, at_step: dict[int, threading.Event] | None = None) -> None:
+        self.weights: dict[int, torch.Tensor] = {}
+        self.at_step = at_step or {}
+
+    def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
+        step = ctx.progress.optimizer_step
+        self.weights[step] = ctx.module.net[0].weight.detach().clone()
+        if step in self.at_step:
+            self.at_step[step].set()
+
+
+def _fit(tmp_path, callback, **checkpoint):
+    trainer = unifit.Trainer(max_epochs=1, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
+                             tensorboard={"enabled": False}, callbacks=[callback],
+                             checkpoint={"every_n_steps": 2, "keep_last_n": None, **checkpoint})
+    return trainer, trainer.fit(ProbeModule(dropout=0.0))
+
+
+def test_save_is_written_in_the_background_from_a_snapshot(tmp_path, monkeypatch):
+    """The save at step 2 is held until step 3 has trained: training goes on while it is written,
+    and what is written is step 2's state, not the parameters the later steps changed."""
+    step3 = threading.Event()
+    waited: list[bool] = []
+    real_save = CheckpointStore.save
+
+    def held_save(self, name, write, meta):
+        if meta["global_step"] == 2:
+            waited.append(step3.wait(timeout=30))  # a save on the training thread would time out here
+        return real_save(self, name, write, meta)
+
+    monkeypatch.setattr(CheckpointStore, "save", held_save)
+    recorder = _Weights({3: step3})
+    trainer, _ = _fit(tmp_path, recorder)
+    assert waited == [True]
+    store = CheckpointStore(trainer.config.checkpoint_dir)
+    fs, path = store.resolve(checkpoint_name(0, 2))
+    saved = torch.load(fs.open(f"{path}/state.pt"), weights_only=True)["engine"]["model"]["net.0.weight"]
+    assert torch.equal(saved, recorder.weights[2])
+    assert not torch.equal(saved, recorder.weights[3])
+    assert store.resolve("last")[1].endswith(checkpoint_name(1, 8))  # the end of fit waited for the last one
+
+
+def test_background_write_failure_stops_training_at_the_next_save(tmp_path, monkeypatch):
+    real_save = CheckpointStore.save
+
+    def failing_save(self, name, write, meta):
+        if meta["global_step"] == 2:
+            raise OSError("disk full")
+        return real_save(self, name, write, meta)
+
+    monkeypatch.setattr(CheckpointStore, "save", failing_save)
+    recorder = _Weights()
+    with pytest.raises(OSError, match="disk full"):
+        _fit(tmp_path, recorder)
+    assert max(recorder.weights) == 4  # raised by the save at step 4, on the training thread
+    store = CheckpointStore(str(tmp_path / "checkpoints"))
+    assert checkpoint_name(0, 2) not in store.committed()

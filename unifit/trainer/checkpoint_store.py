@@ -40,7 +40,8 @@ class CheckpointStore:
 
     # ---- writing (rank 0 only) -----------------------------------------------------------
     def save(self, name: str, write: Callable[[Any, str], None], meta: dict[str, Any]) -> str:
-        """Write one checkpoint with `write(fs, directory)` and commit it; returns its path."""
+        """Write one checkpoint with `write(fs, directory)` and commit it; returns its path. The
+        trainer calls it on the committer's writer thread, with bytes already snapshotted."""
         final = self.path(name)
         self.fs.makedirs(self.root, exist_ok=True)
         if self._renames:
