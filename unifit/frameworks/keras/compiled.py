@@ -1,0 +1,314 @@
+"""Train a compiled `keras.Model` (Keras 3): loss, metrics and optimizer come from `model.compile(...)`.
+
+`CompiledModel` is a KerasModule that wraps the user's model:
+- build_model() rebuilds the model inside the strategy's scope (keras.models.clone_model for a
+  Sequential/functional model, `from_config(get_config())` for a subclassed one) and copies the
+  user's current weights into it, so mirrored/mwms own its variables and the user's initial
+  weights are kept; after fit the trained weights are copied back into the user's object (the
+  copy-back callback is set by trainer/adapt.py, which may import callbacks).
+- configure_optimizers(): a fresh optimizer of the compiled one's class and config (the engine
+  scales its learning rate).
+- loss(): per-example values of the compiled loss (a Loss object's `call`, or the function
+  keras.losses.get gives for a string); the engine averages them.
+- metrics(): the compiled metrics that are per-example means (strings, functions and
+  MeanMetricWrapper objects such as SparseCategoricalAccuracy); 'accuracy'/'acc' are resolved from
+  the shapes of the targets and predictions, as Keras does. Stateful metrics that are not means
+  (AUC, Precision, Recall, ...) are refused in one line.
+What compile() offers that unifit cannot honour (loss_weights, several outputs, weighted_metrics,
+run_eagerly, steps_per_execution > 1) is refused in one line naming the argument.
+
+From YAML, `model` may instead be the dotted path of a function returning the compiled model
+(`model_args` its arguments): it is then called in build_model(), inside the strategy's scope and
+after the strategy was made, which mirrored on logical CPUs and mwms need (they must be set up before
+TensorFlow starts, and building a model starts it). docs/keras.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from unifit._imports import load_object
+from unifit.errors import ConfigError
+from unifit.frameworks.keras.module import KerasModule
+
+_COMPILE_FIRST = "call model.compile(optimizer=..., loss=...) first"
+_AS_IS = "single, horovod"  # strategies that need no tf.distribute scope: they train a model as it is
+
+
+def _metric_name(metric: Any) -> str:
+    return getattr(metric, "name", None) or getattr(metric, "__name__", None) or type(metric).__name__
+
+
+class CompiledModel(KerasModule):
+    """A compiled keras.Model (and, optionally, its data) as a KerasModule."""
+
+    def __init__(self, model: Any, model_args: dict[str, Any] | None = None, data: Any = None) -> None:
+        """`model`: a compiled keras.Model, or (YAML) the dotted path of a function or class that returns
+        one, called with `model_args` inside the strategy's scope, after the strategy was made."""
+        super().__init__()
+        self._data = data
+        self.hooks: list[Any] = []
+        self._built: Any = None  # the model unifit trains (a copy, or the model the factory built)
+        self.user_model: Any = None
+        self.factory: Any = None
+        if isinstance(model, keras.Model):
+            if model_args:
+                raise ConfigError("module.init_args.model_args: given with a keras.Model; model_args are the "
+                                  "arguments of a factory named by module.init_args.model")
+            self._read_compiled(model)
+        elif isinstance(model, str) or callable(model):
+            self.factory, self.factory_args = model, dict(model_args or {})
+            self.name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
+        else:
+            raise ConfigError(f"module.init_args.model: received {type(model).__name__}; give a compiled keras.Model "
+                              "or the dotted path of a function returning one")
+
+    def _read_compiled(self, model: Any) -> None:
+        """What model.compile(...) chose, checked for what unifit cannot honour."""
+        self.user_model = model
+        self.name = type(model).__name__
+        where = f"module: {self.name}"
+        if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or \
+                getattr(model, "loss", None) is None:
+            raise ConfigError(f"{where} is not compiled (no optimizer or loss); {_COMPILE_FIRST}")
+        compile_config = getattr(model, "_compile_config", None)
+        config = dict(compile_config.config) if compile_config is not None else {}
+        for argument in ("loss_weights", "weighted_metrics"):
+            if config.get(argument) is not None:
+                raise ConfigError(f"{where}: model.compile({argument}=...) is not supported by unifit yet; "
+                                  f"compile without {argument} (one loss, unweighted metrics)")
+        if config.get("run_eagerly"):
+            raise ConfigError(f"{where}: model.compile(run_eagerly=True); unifit runs the step as one compiled "
+                              "tf.function: compile with run_eagerly=False")
+        if int(config.get("steps_per_execution") or 1) != 1:
+            raise ConfigError(f"{where}: model.compile(steps_per_execution={config['steps_per_execution']}); unifit "
+                              "runs one batch per step call: compile with steps_per_execution=1")
+        if len(getattr(model, "outputs", None) or [None]) > 1:
+            raise ConfigError(f"{where} has {len(model.outputs)} outputs; unifit trains models with one output "
+                              "and one loss for now")
+        # jit_compile is not read: Keras resolves its default 'auto' to True on GPUs, so it cannot be told
+        # from an explicit True; trainer.compile decides whether the step is compiled by XLA (docs/keras.md)
+        self._loss = self._resolve_loss(model.loss, where)
+        self._metrics = self._resolve_metrics(config.get("metrics", None), where)
+        optimizer = model.optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer: trainer.precision scales
+        self._optimizer_class, self._optimizer_config = type(optimizer), optimizer.get_config()
+
+    # ---- compile() ------------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_loss(loss: Any, where: str) -> Any:
+        if isinstance(loss, dict) or (isinstance(loss, (list, tuple)) and len(loss) != 1):
+            raise ConfigError(f"{where}: model.compile(loss=...) gives {len(loss)} losses; unifit trains one output "
+                              "with one loss for now")
+        if isinstance(loss, (list, tuple)):
+            loss = loss[0]
+        if isinstance(loss, str) and loss.lower() in ("crossentropy", "ce"):
+            return lambda y, y_pred: _crossentropy_for(y, y_pred)(y, y_pred)
+        if isinstance(loss, keras.losses.Loss):
+            dtype = loss.dtype or "float32"
+
+            def per_example(y: Any, y_pred: Any) -> Any:
+                # as Loss.__call__ converts them, without its reduction
+                convert = keras.ops.convert_to_tensor
+                return loss.call(convert(y, dtype=dtype), convert(y_pred, dtype=dtype))
+
+            return per_example
+        try:
+            function = keras.losses.get(loss)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{where}: model.compile(loss={loss!r}) is not a Keras loss ({exc}); "
+                              "give a loss name, a keras.losses.Loss or a function(y_true, y_pred)") from None
+        if isinstance(function, keras.losses.Loss):  # a name resolved to a Loss class
+            return CompiledModel._resolve_loss(function, where)
+        return function
+
+    @staticmethod
+    def _resolve_metrics(metrics: Any, where: str) -> list[tuple[str, Any]]:
+        if metrics is None:
+            return []
+        if isinstance(metrics, dict) or any(isinstance(m, (list, tuple, dict)) for m in metrics):
+            raise ConfigError(f"{where}: model.compile(metrics=...) names metrics per output; give one flat list "
+                              "(unifit trains models with one output for now)")
+        resolved = []
+        for metric in metrics:
+            if isinstance(metric, str) and metric.lower() in ("accuracy", "acc"):
+                resolved.append((metric, "accuracy"))  # chosen from the shapes when traced, as Keras does
+                continue
+            name = metric if isinstance(metric, str) else None
+            if isinstance(metric, str):
+                try:
+                    metric = keras.metrics.get(metric)
+                except (ValueError, TypeError) as exc:
+                    raise ConfigError(f"{where}: model.compile(metrics=[{name!r}]) is not a Keras metric "
+                                      f"({exc})") from None
+            if isinstance(metric, keras.metrics.MeanMetricWrapper):
+                fn, kwargs = metric._fn, dict(metric._fn_kwargs)
+                resolved.append((name or metric.name, lambda y, y_pred, fn=fn, kwargs=kwargs: fn(y, y_pred, **kwargs)))
+            elif isinstance(metric, keras.metrics.Metric):
+                raise ConfigError(f"{where}: metric {_metric_name(metric)!r} ({type(metric).__name__}) is a stateful "
+                                  "metric that is not a mean of per-example values; unifit logs exact per-example "
+                                  "means for now: remove it from model.compile(metrics=...) (or compute it after fit)")
+            elif callable(metric):
+                resolved.append((name or _metric_name(metric), metric))
+            else:
+                raise ConfigError(f"{where}: model.compile(metrics=[{metric!r}]) is not a metric; give names, "
+                                  "functions or keras.metrics mean metrics")
+        return resolved
+
+    # ---- KerasModule ----------------------------------------------------------------------------
+    def build_model(self) -> Any:
+        """The model to train, built inside the strategy's scope (the engine enters it)."""
+        if self.factory is not None:
+            return self._from_factory()
+        user = self.user_model
+        model = self._rebuild(user)
+        if user.weights:
+            if not model.weights and getattr(user, "inputs", None):
+                model.build(user.inputs[0].shape)
+            model.set_weights(user.get_weights())  # the user's current (initial) weights
+        self._built = model
+        return model
+
+    def _from_factory(self) -> Any:
+        factory = self.factory
+        if isinstance(factory, str):
+            factory = load_object(factory, field="module.init_args.model")
+        try:
+            model = factory(**self.factory_args)
+        except TypeError as exc:
+            raise ConfigError(f"module.init_args.model_args: {self.name}(**model_args) failed: {exc}; fix "
+                              "module.init_args.model_args") from None
+        if not isinstance(model, keras.Model):
+            raise ConfigError(f"module.init_args.model: {self.name} returned a {type(model).__name__}, not a "
+                              "compiled keras.Model")
+        self._read_compiled(model)
+        self._built = model  # built in the strategy's scope: trained as it is, nothing to copy back
+        return model
+
+    def _rebuild(self, user: Any) -> Any:
+        if isinstance(user, keras.Sequential) or getattr(user, "_is_graph_network", False) or \
+                type(user).__name__ == "Functional":
+            return keras.models.clone_model(user, clone_function=_in_policy)
+        try:
+            return type(user).from_config(user.get_config())
+        except Exception as exc:  # noqa: BLE001 - any failure: the user's own get_config/from_config
+            if not tf.distribute.has_strategy():  # single, horovod: no scope owns the variables
+                return user
+            raise ConfigError(f"module: {self.name} is a subclassed keras.Model that {type(user).__name__}"
+                              f".from_config(get_config()) cannot rebuild ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:150] if str(exc) else ''}), and "
+                              f"{type(tf.distribute.get_strategy()).__name__} needs its variables created in its "
+                              f"scope; define get_config()/from_config(), or train it as is with trainer.strategy "
+                              f"{_AS_IS}") from None
+
+    def configure_optimizers(self) -> Any:
+        return self._optimizer_class.from_config(dict(self._optimizer_config))
+
+    def loss(self, y: Any, y_pred: Any) -> Any:
+        return _per_example(self._loss(y, y_pred))
+
+    def metrics(self, y: Any, y_pred: Any) -> dict[str, Any]:
+        values = {}
+        for name, fn in self._metrics:
+            if fn == "accuracy":
+                fn = _accuracy_for(y, y_pred)
+            values[name] = _per_example(fn(y, y_pred))
+        return values
+
+    # ---- data -----------------------------------------------------------------------------------
+    def train_dataset(self) -> Any:
+        return _checked(self._split()[0], "train")
+
+    def val_dataset(self) -> Any:
+        val = self._split()[1]
+        return None if val is None else _checked(val, "val")
+
+    def _split(self) -> tuple[Any, Any]:
+        data = self._data
+        if data is None:
+            raise ConfigError(f"Trainer.fit({self.name}, data=...): a keras.Model brings no data; pass data=(x, y), "
+                              "{'train': (x, y), 'val': (x_val, y_val)}, an unbatched tf.data.Dataset of (x, y) or a "
+                              "data provider (train_dataset()/val_dataset())")
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - {"train", "val"})
+            if unknown or "train" not in data:
+                raise ConfigError(f"data: received a dict with keys {sorted(data)}; give {{'train': (x, y)}} and "
+                                  "optionally 'val': (x_val, y_val)")
+            return data["train"], data.get("val")
+        return data, None
+
+    def configure_callbacks(self) -> list[Any]:
+        """The copy-back callback (set by trainer/adapt.py, which may import callbacks)."""
+        return list(self.hooks)
+
+    # ---- after fit ------------------------------------------------------------------------------
+    def copy_weights_back(self) -> None:
+        """The trained weights into the user's model object (as model.fit leaves it trained)."""
+        built, user = self._built, self.user_model
+        if built is None or built is user:
+            return
+        if not user.weights and getattr(built, "inputs", None):
+            user.build(built.inputs[0].shape)
+        user.set_weights(built.get_weights())
+
+
+def _in_policy(layer: Any) -> Any:
+    """A copy of `layer`; under trainer.precision's mixed policy (set while the model is built) a
+    layer on Keras' default float32 policy takes the mixed one, as if it had been built under it."""
+    config = layer.get_config()
+    policy = keras.config.dtype_policy()
+    if policy.name != "float32" and not isinstance(layer, keras.layers.InputLayer):
+        dtype = config.get("dtype")
+        if isinstance(dtype, dict) and dtype.get("config", {}).get("name") == "float32":
+            config["dtype"] = policy
+    return type(layer).from_config(config)
+
+
+def _per_example(values: Any) -> Any:
+    """One value per example: the mean over any further axes (as Keras' mean reductions do)."""
+    values = tf.convert_to_tensor(values)
+    if values.shape.rank is not None and values.shape.rank > 1:
+        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+    return values
+
+
+def _accuracy_for(y: Any, y_pred: Any) -> Any:
+    """Keras' choice for 'accuracy' (trainers/compile_utils.get_metric): binary, sparse categorical or
+    categorical accuracy, from the shapes of the targets and predictions."""
+    is_binary, is_sparse = _binary_or_sparse(y, y_pred)
+    if is_binary:
+        return keras.metrics.binary_accuracy
+    return keras.metrics.sparse_categorical_accuracy if is_sparse else keras.metrics.categorical_accuracy
+
+
+def _crossentropy_for(y: Any, y_pred: Any) -> Any:
+    """Keras' choice for the loss 'crossentropy'/'ce' (trainers/compile_utils.get_loss)."""
+    is_binary, is_sparse = _binary_or_sparse(y, y_pred)
+    if is_binary:
+        return keras.losses.binary_crossentropy
+    return keras.losses.sparse_categorical_crossentropy if is_sparse else keras.losses.categorical_crossentropy
+
+
+def _binary_or_sparse(y: Any, y_pred: Any) -> tuple[bool, bool]:
+    from keras.src.trainers.compile_utils import is_binary_or_sparse_categorical  # Keras' own rule
+
+    return is_binary_or_sparse_categorical(tf.convert_to_tensor(y), tf.convert_to_tensor(y_pred))
+
+
+def _checked(data: Any, split: str) -> Any:
+    """Arrays pass through; a batched tf.data.Dataset is refused (the engine batches per replica)."""
+    if isinstance(data, tf.data.Dataset):
+        spec = tf.nest.flatten(data.element_spec)
+        if spec and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in spec):
+            raise ConfigError(f"data ({split}): the tf.data.Dataset looks batched (element shapes "
+                              f"{[tuple(s.shape) for s in spec]}); pass it unbatched (dataset.unbatch()): unifit "
+                              "batches per replica itself")
+        return data
+    if isinstance(data, (tuple, list)) and len(data) >= 2:
+        return tuple(np.asarray(a) if not isinstance(a, np.ndarray) else a for a in data)
+    raise ConfigError(f"data ({split}): received {type(data).__name__}; give arrays (x, y), an unbatched "
+                      "tf.data.Dataset of (x, y) or a data provider (train_dataset()/val_dataset())")
