@@ -36,6 +36,15 @@ class KerasProbe(unifit.KerasModule):
     def val_dataset(self):
         return indexed(self.n_val, seed=2)
 
+    def test_dataset(self):
+        return indexed(29, seed=3)
+
+    def predict_dataset(self):
+        return indexed(23, seed=4)[0]  # x alone
+
+    def predict_step(self, x):
+        return tf.stack([x[:, 0], self.model(x, training=False)], axis=1)  # each row: its index, the prediction
+
     def build_model(self):
         inputs = keras.Input((9,))
         hidden = keras.layers.Dense(16, activation="tanh")(inputs[:, 1:])

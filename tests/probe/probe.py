@@ -50,6 +50,12 @@ class ProbeModule(unifit.TrainModule):
     def val_dataset(self):
         return Indexed(self.n_val, seed=2)
 
+    def test_dataset(self):
+        return Indexed(29, seed=3)
+
+    def predict_dataset(self):
+        return Indexed(23, seed=4)
+
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
         self.seen.setdefault(f"train_epoch_{self._epoch()}", []).extend(idx.tolist())
@@ -67,6 +73,15 @@ class ProbeModule(unifit.TrainModule):
         self.log("val/loss", F.mse_loss(self.net(x).squeeze(1), y))
         self.log("val/index_mean", idx.double().mean())  # exact global value: (n_val - 1) / 2
         self.log("val/rank_plus_one", float(self.rank + 1))  # weighted by each rank's shard size
+
+    def test_step(self, batch, batch_idx):
+        x, y, idx = batch
+        self.log("test/loss", F.mse_loss(self.net(x).squeeze(1), y))
+        self.log("test/index_mean", idx.double().mean())  # exact global value: 14 for 29 samples
+
+    def predict_step(self, batch, batch_idx):
+        x, _, idx = batch  # each row: its dataset index, then the prediction
+        return torch.stack([idx.double(), self.net(x).squeeze(1).double()], dim=1)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -64,7 +64,7 @@ class LightningHooks(Callback):
     def on_teardown(self, ctx: Any) -> None:
         for part in (self.adapter.datamodule, self.lm):
             if part is not None:
-                part.teardown("fit")
+                part.teardown(self.adapter.stage)
 
     def state_dict(self) -> dict[str, Any]:
         """What the module's on_save_checkpoint and the data module's state_dict add to a checkpoint."""

@@ -33,6 +33,10 @@ class ModuleBase:
     def _detach(self, value: Any) -> Any:
         return value
 
+    def setup_stage(self, stage: str) -> None:
+        """Called before the engine sets up for 'fit', 'validate', 'test' or 'predict' (a wrapped
+        LightningModule runs its own setup(stage) then)."""
+
     def configure_callbacks(self) -> list[Any]:
         """unifit Callbacks this module brings along (run after trainer.callbacks, as Lightning's are)."""
         return []
@@ -47,4 +51,12 @@ class ModuleBase:
 
     def val_dataset(self) -> Any:
         """Validation data, or None for no validation."""
+        return None
+
+    def test_dataset(self) -> Any:
+        """Data for Trainer.test / `unifit test` (like val_dataset), or None."""
+        return None
+
+    def predict_dataset(self) -> Any:
+        """Data for Trainer.predict / `unifit predict` (like val_dataset), or None."""
         return None

@@ -66,6 +66,8 @@ class TFDistributeStrategy(Strategy, KerasTraining):
         strategy = self.tf_strategy
         local_replicas = max(1, len(strategy.extended.worker_devices))
         x = np.asarray(values, dtype=np.float64)
+        if x.size == 0:  # nothing to reduce (every rank alike): TensorFlow's collective crashes on an empty tensor
+            return x
         try:
             with self.collective_guard(f"all_reduce {op.lower()}"):
                 if op == "SUM":  # each local replica holds x / local replicas, so the sum counts it once

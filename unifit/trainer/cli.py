@@ -1,6 +1,7 @@
 """The `unifit` command: fit, print-config, launch.
 
     unifit fit -c exp.yaml [--trainer.max_epochs 3 ...] [--ckpt-path last]
+    unifit validate | test | predict -c exp.yaml [--ckpt-path best|last|DIR] [--output predictions.pt]
     unifit print-config -c exp.yaml [overrides]
     unifit launch --nproc-per-node 2 [--nnodes N --node-rank R --rdzv-endpoint H:P] -c exp.yaml [overrides]
     unifit plot RUN_DIR [RUN_DIR ...] -o curves.png
@@ -41,6 +42,18 @@ def _parser() -> argparse.ArgumentParser:
     experiment_args(show)
     launch = sub.add_parser("launch", help="start the processes of the configured strategy (torchrun, ...)")
     experiment_args(launch)
+    for stage in ("validate", "test", "predict"):
+        run = sub.add_parser(stage, help=f"{stage} with a checkpoint's weights, sharded over the ranks")
+        experiment_args(run)
+        run.add_argument("--ckpt-path", default=None, help="'best', 'last', a checkpoint name or directory "
+                                                           "(default: the module's weights as built)")
+        if stage == "predict":
+            run.add_argument("--output", default=None, help="where rank 0 writes the predictions, in dataset order "
+                                                            "(.pt: torch.save, .npy: numpy, .pkl: pickle; local or "
+                                                            "s3://); default <root_dir>/predictions.pkl")
+    launch.add_argument("--run", default="fit", choices=("fit", "validate", "test", "predict"),
+                        help="what every started process runs (default: fit)")
+    launch.add_argument("--output", default=None, help="with --run predict: as for predict")
     launch.add_argument("--nproc-per-node", type=int, default=1)
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--node-rank", type=int, default=0)
@@ -97,6 +110,37 @@ def load_experiment(path: str, overrides: dict[str, str]) -> Any:
 
 
 def _fit(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    trainer, module, data = _experiment_objects(args, overrides)
+    trainer.fit(module, data=data, ckpt_path=args.ckpt_path)
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    from unifit.trainer.evaluation import evaluate
+    from unifit.trainer.predictions import write_metrics, write_predictions
+
+    trainer, module, data = _experiment_objects(args, overrides)
+    result = evaluate(trainer.config, args.command, module, data, args.ckpt_path)
+    if _launched_environment().rank != 0:
+        return 0
+    root, options = trainer.config.root_dir.rstrip("/"), trainer.config.storage_options
+    if result.predictions is not None:
+        output = args.output or f"{root}/predictions.pkl"
+        write_predictions(result.predictions, output, options)
+        print(f"predict: {_count(result.predictions)} predictions written to {output}", flush=True)
+    if result.metrics:
+        write_metrics(result.metrics, result.checkpoint, f"{root}/{args.command}.json", options)
+        print(f"{args.command}: " + "  ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items()))
+              + f"  (all digits in {root}/{args.command}.json)", flush=True)
+    return 0
+
+
+def _count(predictions: Any) -> int:
+    return len(predictions) if hasattr(predictions, "__len__") else 1
+
+
+def _experiment_objects(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[Any, Any, Any]:
+    """(Trainer, module, data) of the experiment file, built in this process."""
     from unifit.trainer.init_args import build
     from unifit.trainer.trainer import Trainer
 
@@ -108,8 +152,7 @@ def _fit(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     data = None
     if experiment.data is not None:
         data = build(experiment.data.class_path, experiment.data.init_args, "data")
-    trainer.fit(module, data=data, ckpt_path=args.ckpt_path)
-    return 0
+    return trainer, module, data
 
 
 def _seed_init(seed: int) -> None:
@@ -130,8 +173,10 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
     experiment = load_experiment(args.config, overrides)
     spec = LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port,
-                      rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args,
+                      rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args, command=args.run,
                       hosts=args.hosts.split(",") if args.hosts else None, max_restarts=args.max_restarts)
+    if args.output and args.run != "predict":
+        raise ConfigError(f"--output {args.output}: only --run predict writes predictions (received --run {args.run})")
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts: received {spec.max_restarts}; give 0 or more")
     if spec.hosts and spec.nnodes == 1:
@@ -180,7 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "launch":
             ckpt = args.ckpt_path or ("auto" if args.max_restarts > 0 else None)  # a restarted rank continues
             fit_args = ["-c", args.config, *extra] + (["--ckpt-path", ckpt] if ckpt else [])
+            if args.output:
+                fit_args += ["--output", args.output]
             return _launch(args, overrides, fit_args)
+        if args.command in ("validate", "test", "predict"):
+            return _evaluate(args, overrides)
         return _fit(args, overrides)
     except UnifitError as exc:
         if os.environ.get("UNIFIT_DEBUG"):

@@ -15,15 +15,17 @@ import numpy as np
 
 from unifit._imports import load_object
 from unifit.callbacks.base import Callback
-from unifit.errors import ConfigError, UnifitError, first_line
-from unifit.storage import check_writable, filesystem, is_remote
+from unifit.errors import ConfigError, UnifitError
+from unifit.storage import check_writable
 from unifit.strategies import environment, registry
 from unifit.trainer.adapt import trainable
+from unifit.trainer.checkpoint_reading import read_committed
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
 from unifit.trainer.committer import Committer
 from unifit.trainer.config import ExperimentConfig, TrainerConfig
 from unifit.trainer.context import FitContext
 from unifit.trainer.dispatcher import Dispatcher
+from unifit.trainer.evaluation import evaluate
 from unifit.trainer.events import Event
 from unifit.trainer.init_args import build
 from unifit.trainer.loading import resolved_yaml, validate_trainer
@@ -83,7 +85,7 @@ class Trainer:
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
-            run = self._run = _Run(engine, strategy, store, Committer(background=is_remote(cfg.checkpoint_dir)),
+            run = self._run = _Run(engine, strategy, store, Committer(),
                                    self._callbacks(module))
             ctx = run.ctx = FitContext(
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
@@ -118,6 +120,20 @@ class Trainer:
                 module._unifit_collector = None
                 strategy.teardown()
         return state
+
+    def validate(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+        """One pass over the validation data on every rank (each a disjoint shard), with the weights of
+        `ckpt_path` if given: what validation_step logs, exact over all ranks."""
+        return evaluate(self.config, "validate", module, data, ckpt_path).metrics
+
+    def test(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+        """As validate, over test_dataset() with test_step."""
+        return evaluate(self.config, "test", module, data, ckpt_path).metrics
+
+    def predict(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> Any:
+        """predict_step over predict_dataset(), sharded over the ranks; on rank 0 every sample's
+        output once, in dataset order (None on the other ranks)."""
+        return evaluate(self.config, "predict", module, data, ckpt_path).predictions
 
     def save_checkpoint(self, name: str | None = None,
                         after_commit: Callable[[CheckpointStore, str], None] | None = None) -> str | None:
@@ -222,25 +238,8 @@ class Trainer:
         'last' and 'auto' fall back to the previous committed checkpoint when the newest cannot be
         read; 'auto' starts fresh when there is none. Returns the checkpoint's path, or None."""
         run = self._run
-        engine, strategy, store = run.engine, run.strategy, run.store
-
-        def find() -> tuple[dict[str, Any] | None, str | None]:  # rank 0
-            candidates = store.candidates(spec)
-            for i, (fs, path) in enumerate(candidates):
-                try:
-                    return engine.read_checkpoint(fs, path), fs.unstrip_protocol(path).removeprefix("file://")
-                except Exception as exc:
-                    if i + 1 == len(candidates):
-                        raise
-                    log.warning("checkpoint %s cannot be read (%s: %s); using the previous committed one",
-                                path, type(exc).__name__, first_line(exc))
-            log.info("--ckpt-path %s: no committed checkpoint in %s; starting fresh", spec, store.url)
-            return None, None
-
-        def read_at(url: str) -> dict[str, Any]:  # the other ranks, where they can
-            return engine.read_checkpoint(*filesystem(url, self.config.storage_options))
-
-        payload, path = strategy.load_checkpoint(find, read_at)
+        engine, strategy = run.engine, run.strategy
+        payload, path = read_committed(spec, engine, strategy, run.store, self.config.storage_options)
         if payload is None:
             return None
         engine.load_state_dict(payload["engine"])

@@ -34,6 +34,8 @@ import tensorflow as tf  # noqa: E402
 from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
+from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
+from unifit.frameworks.keras.evaluation import KerasEvaluation  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
@@ -41,18 +43,14 @@ from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
 _TF_PREFIX = "tf/"
 
 
-class KerasEngine(Engine):
+class KerasEngine(KerasEvaluation, Engine):
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
         if cfg.accumulate_grad_batches != 1:
             raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
                               "is implemented for PyTorch modules only); raise batch_size instead")
         self.precision = make_precision(cfg.precision)
-        self.dist = getattr(strategy, "tf_strategy", None) or tf.distribute.get_strategy()
-        self.local_replicas = _local_replicas(self.dist)
-        # replicas over all processes: tf.distribute's own count for mirrored/mwms, one per process for horovod
-        self.replicas = strategy.world_size * self.local_replicas
-        self.local_batch = cfg.batch_size * self.local_replicas
+        self._set_up_replicas()
 
         train, presharded = self._rank_data(self.data.train_dataset())
         self.train_arrays = _arrays(train, "train_dataset()")
@@ -97,11 +95,21 @@ class KerasEngine(Engine):
         self._val_fn = tf.function(self._distributed_step(train=False))
         self._untried = {"training", "validation"} if cfg.compile else set()  # XLA compiles at the first call
 
+    def _set_up_replicas(self) -> None:
+        self.dist = getattr(self.strategy, "tf_strategy", None) or tf.distribute.get_strategy()
+        self.local_replicas = _local_replicas(self.dist)
+        # replicas over all processes: tf.distribute's own count for mirrored/mwms, one per process for horovod
+        self.replicas = self.strategy.world_size * self.local_replicas
+        self.local_batch = self.config.batch_size * self.local_replicas
+
     # ---- compiled steps -------------------------------------------------------------------
-    def _distributed_step(self, train: bool) -> Any:
+    def _distributed_step(self, train: bool, prefix: str = "val/", evaluate: Any = None) -> Any:
+        """The compiled step: training, or evaluation with `evaluate` (validation_step by default)
+        logging under `prefix`."""
         module, clip, precision = self.module, self.config.gradient_clip_val, self.precision
-        optimizer = self.step_optimizer
-        prefix = "train/" if train else "val/"
+        optimizer = getattr(self, "step_optimizer", None)  # none when only evaluating
+        prefix = "train/" if train else prefix
+        evaluate = evaluate or module.validation_step
 
         def forward(x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
             """Per replica: forward, loss and (training) gradients; what trainer.compile gives to XLA.
@@ -118,7 +126,7 @@ class KerasEngine(Engine):
                     scaled = precision.scale_loss(loss)
                 grads = tape.gradient(scaled, module.model.trainable_variables)
             else:
-                per_example, y_pred = module.validation_step(x, y)
+                per_example, y_pred = evaluate(x, y)
             sums = {f"{prefix}loss": tf.reduce_sum(tf.cast(per_example, tf.float32))}
             for name, values in module.metrics(y, y_pred).items():
                 sums[f"{prefix}{name}"] = tf.reduce_sum(tf.cast(values, tf.float32))
@@ -366,17 +374,3 @@ def _local_replicas(dist: Any) -> int:
         return max(1, len(dist.extended.worker_devices))
     except RuntimeError:
         return 1
-
-
-def _arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
-    """(x, y) arrays; a finite, unbatched tf.data.Dataset of (x, y) is read into arrays once."""
-    if isinstance(data, tf.data.Dataset):
-        xs, ys = zip(*data.as_numpy_iterator())
-        data = (np.stack(xs), np.stack(ys))
-    if isinstance(data, (tuple, list)) and len(data) >= 2:
-        arrays = tuple(np.asarray(a) for a in data)
-        arrays = tuple(a.astype(np.float32) if a.dtype == np.float64 else a for a in arrays)
-        if len({len(a) for a in arrays}) != 1:
-            raise ConfigError(f"{what}: arrays have different lengths {[len(a) for a in arrays]}; give arrays of equal length")
-        return arrays
-    raise ConfigError(f"{what}: received {type(data).__name__}; return a tuple of arrays (x, y) or a tf.data.Dataset of (x, y)")

@@ -9,6 +9,8 @@
                                            (logged as train/acc and val/acc, sample-weighted)
     configure_optimizers() -> optimizer    configure_optimizers() -> keras optimizer (base lr)
     train_dataset()/val_dataset()          the same: arrays (x, y) or an unbatched tf.data.Dataset
+    test_step / predict_step               test_step(x, y) like validation_step; predict_step(x) -> outputs
+    test_dataset()/predict_dataset()       the same (predict: x alone is enough)
 
 Steps run inside one compiled tf.function, so per-step values are returned, not logged with
 Python side effects; the engine averages them over replicas and workers by sample count.
@@ -55,6 +57,14 @@ class KerasModule(ModuleBase):
     def validation_step(self, x: Any, y: Any) -> tuple[Any, Any]:
         y_pred = self.model(x, training=False)
         return self.loss(y, y_pred), y_pred
+
+    def test_step(self, x: Any, y: Any) -> tuple[Any, Any]:
+        """Trainer.test's step (logged as test/loss, test/<metric>); validation_step by default."""
+        return self.validation_step(x, y)
+
+    def predict_step(self, x: Any) -> Any:
+        """Trainer.predict's step: one output row per sample."""
+        return self.model(x, training=False)
 
     def __call__(self, x: Any, training: bool = False) -> Any:
         return self.model(x, training=training)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from typing import Any, Iterator
 
@@ -13,9 +14,11 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
+from unifit.frameworks.torch import user_loaders
+from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.strategies.torch_device import torch_device
 from unifit.frameworks.torch.optimizers import parse_optimizers
-from unifit.frameworks.torch.precision import make_precision
+from unifit.frameworks.torch.precision import Precision, make_precision
 from unifit.strategies.torch_training import TorchTraining
 from unifit.frameworks.lr_policy import LRPolicy
 
@@ -35,12 +38,13 @@ class _StepModule(torch.nn.Module):
         return self.module.training_step(batch, batch_idx)
 
 
-class TorchEngine(Engine):
+class TorchEngine(TorchEvaluation, Engine):
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
         self._move = self.device.type != "cpu"
         self.precision = make_precision(cfg.precision, self.device)
+        self.module.setup_stage("fit")
         self.module.to(self.device)
         self.optimizer, self.schedule = parse_optimizers(_configure_optimizers(self.module), type(self.module).__name__)
         self.scheduler = self.schedule.scheduler if self.schedule is not None else None
@@ -48,12 +52,16 @@ class TorchEngine(Engine):
 
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
-        train_ds = tdata.as_dataset(train, "train_dataset()")
         shards = (1, 0) if presharded else (strategy.world_size, strategy.rank)
-        self.train_loader = tdata.train_loader(
-            train_ds, batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
-            seed=cfg.seed, drop_last=cfg.drop_last, num_workers=cfg.num_workers,
-            pin_memory=pin)
+        if user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampler sharded
+            self.train_loader = user_loaders.train_loader_from(
+                train, "train_dataloader()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
+                seed=cfg.seed, drop_last=cfg.drop_last)
+        else:
+            self.train_loader = tdata.train_loader(
+                tdata.as_dataset(train, "train_dataset()"), batch_size=cfg.batch_size, world_size=shards[0],
+                rank=shards[1], seed=cfg.seed, drop_last=cfg.drop_last, num_workers=cfg.num_workers, pin_memory=pin)
+        train_ds = self.train_loader.dataset
         self._batches = len(self.train_loader)
         if cfg.limit_train_batches:
             self._batches = min(self._batches, cfg.limit_train_batches)
@@ -68,9 +76,13 @@ class TorchEngine(Engine):
         self.val_loader = None
         if val is not None and cfg.limit_val_batches != 0:
             shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
-            self.val_loader = tdata.val_loader(
-                tdata.as_dataset(val, "val_dataset()"), batch_size=cfg.batch_size,
-                world_size=shards[0], rank=shards[1], num_workers=cfg.num_workers, pin_memory=pin)
+            if user_loaders.is_loader(val):
+                self.val_loader = user_loaders.val_loader_from(
+                    val, "val_dataloader()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1])
+            else:
+                self.val_loader = tdata.val_loader(
+                    tdata.as_dataset(val, "val_dataset()"), batch_size=cfg.batch_size,
+                    world_size=shards[0], rank=shards[1], num_workers=cfg.num_workers, pin_memory=pin)
 
         self.accumulate = cfg.accumulate_grad_batches
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
@@ -88,6 +100,12 @@ class TorchEngine(Engine):
         self._forward = self.module.training_step if self.wrapped is step_module else self.wrapped
         if cfg.compile:
             self._forward = _compiled(self._forward)
+        # what TorchTraining's default step amounts to in full precision without accumulation or
+        # clipping: loss.backward(), optimizer.step(), zero_grad(), called without its layers
+        self._plain = (type(self.precision) is Precision and self.accumulate == 1 and cfg.gradient_clip_val is None
+                       and all(getattr(type(training), hook) is getattr(TorchTraining, hook)
+                               for hook in ("backward", "synchronized_gradients", "optimizer_step")))
+        self._sizes = tdata.batch_sizes(self.train_loader, self._batches)
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -108,25 +126,34 @@ class TorchEngine(Engine):
         self.train_loader.sampler.set_epoch(epoch, skip * self.config.batch_size)
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
         self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
-        limit, move, device = self._batches - skip, self._move, self.device
-        for i, batch in enumerate(self.train_loader):
-            if i >= limit:
-                break
-            yield tdata.to_device(batch, device) if move else batch
+        batches = itertools.islice(self.train_loader, self._batches - skip)  # the loader's own iterator, no layer
+        if not self._move:
+            return batches
+        device = self.device
+        return (tdata.to_device(batch, device) for batch in batches)
 
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        count = tdata.batch_size_of(batch)
+        # the sampler's batch sizes, known at set-up: the step need not look into the batch
+        count = self._sizes[0] if batch_idx + 1 < self._batches else self._sizes[1]
         self.collector.batch_count = count
         accumulate = self.accumulate
-        if accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches:
+        if self._plain:
+            loss = _loss_of(self._forward(batch, batch_idx))
+            loss.backward()
+            self._optimizer_step()
+        elif accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches:
             loss = self._forward_backward(batch, batch_idx)
             self._optimizer_step()
         else:
             with self.training.accumulating(self.wrapped):
                 loss = self._forward_backward(batch, batch_idx)
-        loss = loss.detach()
-        self.collector.add("train/loss", loss, count)
-        return loss
+        if self._move:
+            loss = loss.detach()  # kept as a tensor: read once at epoch end, no device sync per step
+            self.collector.add("train/loss", loss, count)
+            return loss
+        # on CPU the value is there already: keep a float, not a tensor alive for the whole epoch
+        self.collector.add("train/loss", loss.item(), count)
+        return loss.detach()
 
     def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor:
         with self.precision.autocast():
@@ -136,17 +163,21 @@ class TorchEngine(Engine):
 
     def _optimizer_step(self) -> None:
         """The strategy steps; during warmup at the ramped lr (the user's scheduler keeps its own values)."""
-        optimizer, step, training = self.optimizer, self._steps, self.training
-        if step < self.policy.warmup_steps:
+        optimizer, step = self.optimizer, self._steps
+        warmup = step < self.policy.warmup_steps
+        if warmup:
             ramp = self.policy.ramp(step)
             scheduled = [group["lr"] for group in optimizer.param_groups]
             for group, lr in zip(optimizer.param_groups, scheduled):
                 group["lr"] = lr * ramp
-            training.optimizer_step(optimizer, self.module, self.config.gradient_clip_val)
+        if self._plain:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            self.training.optimizer_step(optimizer, self.module, self.config.gradient_clip_val)
+        if warmup:
             for group, lr in zip(optimizer.param_groups, scheduled):
                 group["lr"] = lr
-        else:
-            training.optimizer_step(optimizer, self.module, self.config.gradient_clip_val)
         self._steps = step + 1
         schedule = self.schedule
         if schedule is not None and schedule.interval == "step" and self._steps % schedule.frequency == 0:
@@ -198,7 +229,9 @@ class TorchEngine(Engine):
         return np.asarray([float(v) for v in values], dtype=np.float64)
 
     def is_finite(self, value: Any) -> bool:
-        return bool(torch.isfinite(value).all()) if isinstance(value, torch.Tensor) else math.isfinite(value)
+        if isinstance(value, torch.Tensor):  # a loss: one .item(), not isfinite + all + bool
+            return math.isfinite(value.item()) if value.numel() == 1 else bool(torch.isfinite(value).all())
+        return math.isfinite(value)
 
     def finite_probe(self, value: Any) -> Any:
         """On CUDA: a non-blocking copy of the flag to pinned memory, read once its event completed."""

@@ -142,6 +142,7 @@ class LightningAdapter(TrainModule):
         lightning_module.log_dict = self._log_dict
         self._in_step = False
         self._prepared = False
+        self.stage = "fit"
         self.hooks: list[Any] = []
 
     # the checkpoint holds the LightningModule's own keys, as Lightning's checkpoints do
@@ -151,42 +152,50 @@ class LightningAdapter(TrainModule):
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.lightning.load_state_dict(state, strict=strict, assign=assign)
 
+    def setup_stage(self, stage: str) -> None:
+        self.stage = stage
+
     def to(self, *args: Any, **kwargs: Any) -> "LightningAdapter":
         self._prepare()  # the engine's first call: Lightning's set-up hooks run before the model is placed
         self.lightning.to(*args, **kwargs)
         return self
 
     def _prepare(self) -> None:
-        """Lightning's order: prepare_data, setup('fit') (data module, then module), configure_model."""
+        """Lightning's order: prepare_data, setup(stage) (data module, then module), configure_model."""
         if self._prepared:
             return
         self._prepared = True
         for part in (self.datamodule, self.lightning):
             if part is not None:
                 part.prepare_data()  # every process calls it: keep downloads idempotent (docs/lightning.md)
-                part.setup("fit")
+                part.setup(self.stage)
         self.lightning.configure_model()
 
     # ---- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        self._in_step = True
-        try:
-            out = self.lightning.training_step(batch, batch_idx)
-        finally:
-            self._in_step = False
+        out = self._call_step(self.lightning.training_step, batch, batch_idx)
         if out is None:
             raise ConfigError(f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
                               "rank must take every step under distributed training: return the loss")
         return out
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._call_step(self.lightning.test_step, batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.lightning.predict_step(batch, batch_idx)
+
+    def _call_step(self, step: Any, batch: Any, batch_idx: int) -> Any:
+        self._in_step = True
+        try:
+            return step(batch, batch_idx)
+        finally:
+            self._in_step = False
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         lm = self.lightning
         lm.on_validation_batch_start(batch, batch_idx)
-        self._in_step = True
-        try:
-            out = lm.validation_step(batch, batch_idx)
-        finally:
-            self._in_step = False
+        out = self._call_step(lm.validation_step, batch, batch_idx)
         lm.on_validation_batch_end(out, batch, batch_idx)
 
     def configure_optimizers(self) -> Any:
@@ -203,6 +212,12 @@ class LightningAdapter(TrainModule):
         if not _overrides(self.lightning, "validation_step"):
             return None
         return self._loader("val_dataloader", required=False)
+
+    def test_dataset(self) -> Any:
+        return self._loader("test_dataloader", required=True)
+
+    def predict_dataset(self) -> Any:
+        return self._loader("predict_dataloader", required=True)
 
     def _loader(self, hook: str, required: bool) -> Any:
         owner = next((p for p in (self.datamodule, self.lightning) if p is not None and _overrides(p, hook)), None)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
 
 
@@ -15,9 +16,12 @@ class TrainModule(ModuleBase, torch.nn.Module):
     - training_step(batch, batch_idx) -> loss tensor, or a dict with "loss"
       (the returned loss is logged as train/loss automatically)
     - validation_step(batch, batch_idx) -> None; log metrics with self.log
+    - test_step(batch, batch_idx) -> None (Trainer.test), predict_step(batch, batch_idx) -> outputs
+      with one row per sample (Trainer.predict; default: self(x) for a batch (x, ...) or x)
     - configure_optimizers() -> optimizer, or (optimizer, scheduler) with the scheduler stepped
       once per epoch, or {"optimizer": o, "lr_scheduler": s, "interval": "epoch" | "step"}
-    - train_dataset() / val_dataset() -> torch Dataset or tuple of arrays (sharded for you)
+    - train_dataset() / val_dataset() / test_dataset() / predict_dataset() -> torch Dataset, tuple of
+      arrays or DataLoader (sharded for you)
     """
 
     framework = "torch"
@@ -31,6 +35,14 @@ class TrainModule(ModuleBase, torch.nn.Module):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Optional; without it validation is skipped."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        raise ConfigError(f"{type(self).__name__} has no test_step(batch, batch_idx); define it (log metrics with "
+                          "self.log, as in validation_step) to run Trainer.test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x)
 
     def configure_optimizers(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")

@@ -28,7 +28,8 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     hosts: list[str] | None = None  # for launchers that address every host (TF_CONFIG workers)
     max_restarts: int = 0  # restart the whole group this many times after a rank fails (torchrun's elastic agent)
-    fit_args: list[str] = field(default_factory=list)  # passed to `unifit fit` in each process
+    fit_args: list[str] = field(default_factory=list)  # passed to `unifit <command>` in each process
+    command: str = "fit"  # or validate / test / predict
 
 
 class Launcher(ABC):
@@ -107,7 +108,7 @@ def failure_line(codes: Mapping[int | str, int], stopped_by: str) -> str:
 
 def fit_command(spec: LaunchSpec) -> list[str]:
     """What each started process runs."""
-    return ["-m", "unifit", "fit", *spec.fit_args]
+    return ["-m", "unifit", spec.command, *spec.fit_args]
 
 
 # How `unifit launch` tells the processes it starts about the terminal it runs in. A launcher may

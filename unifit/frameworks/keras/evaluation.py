@@ -1,0 +1,119 @@
+"""validate / test / predict for KerasModules (a mixin of KerasEngine; trainer/evaluation.py runs it).
+
+The model is built in the strategy's scope as for fit (no optimizer); each worker takes its own
+disjoint shard (rank::world, not trimmed), split into per-replica batches as validation is, so
+metrics are exact sample-weighted means. Predictions come back per step from every local replica
+in the order the replicas took their parts, which is the shard's order.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from unifit.errors import ConfigError
+from unifit.frameworks.keras.data import arrays
+from unifit.frameworks.keras.precision import make_precision
+
+# stage -> (the data provider's method, the module's step, the metrics' prefix)
+_STAGES = {"validate": ("val_dataset", "validation_step", "val/"), "test": ("test_dataset", "test_step", "test/"),
+           "predict": ("predict_dataset", "predict_step", "")}
+
+
+class KerasEvaluation:
+    module: Any
+    data: Any
+    strategy: Any
+    config: Any
+    collector: Any
+
+    def setup_evaluation(self, stage: str) -> None:
+        cfg, strategy = self.config, self.strategy
+        self.precision = make_precision(cfg.precision)
+        self._set_up_replicas()
+        source, step, prefix = _STAGES[stage]
+        data = getattr(self.data, source)()
+        if data is None:
+            raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
+                              f"define {source}()")
+        data, presharded = self._rank_data(data)
+        if presharded and stage == "predict":
+            raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
+                              "give one dataset (every rank takes its part of it)")
+        self.eval_arrays = _inputs(data, f"{source}()") if stage == "predict" else arrays(data, f"{source}()")
+        rank, world = (0, 1) if presharded else (strategy.rank, strategy.world_size)
+        self._eval_indices = np.arange(rank, len(self.eval_arrays[0]), world)
+        self._eval_sizes = self._val_plan(len(self._eval_indices))
+        if stage == "validate" and cfg.limit_val_batches is not None:
+            self._eval_sizes = self._eval_sizes[: cfg.limit_val_batches]
+        with strategy.collective_guard("creating the model"), self.dist.scope(), self.precision.building():
+            self.module.model = model = self.precision.prepare_model(self.module.build_model())
+            model.build(tuple([None, *self.eval_arrays[0].shape[1:]]))
+        strategy.broadcast_variables(model.variables)  # rank 0's weights everywhere, as fit starts
+        if stage == "predict":
+            self._eval_fn = tf.function(self._predict_step())
+        else:
+            self._eval_fn = tf.function(self._distributed_step(train=False, prefix=prefix,
+                                                               evaluate=getattr(self.module, step)))
+
+    def _predict_step(self) -> Any:
+        module = self.module
+
+        def step(batch: Any) -> Any:
+            per_replica = self.dist.run(module.predict_step, args=batch[:1])
+            return tf.concat(self.dist.experimental_local_results(per_replica), axis=0)  # replica order: shard order
+
+        return step
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        folder = tempfile.mkdtemp(prefix="unifit-tf-restore-")
+        try:
+            for name, data in state["tf_files"].items():
+                with open(os.path.join(folder, name), "wb") as f:
+                    f.write(data)
+            with self.strategy.collective_guard("checkpoint restore"):
+                tf.train.Checkpoint(model=self.module.model).read(os.path.join(folder, "ckpt")).expect_partial()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def eval_batches(self) -> Iterator[Any]:
+        iterator = iter(self._dataset(self.eval_arrays, self._eval_indices, self._eval_sizes))
+        for size in self._eval_sizes:  # the same count on every worker
+            with self.strategy.collective_guard("evaluation batch"):
+                batch = next(iterator)
+            self.collector.batch_count = size
+            yield batch
+
+    def eval_step(self, batch: Any, batch_idx: int) -> Any:
+        outputs = self._eval_fn(batch)
+        if isinstance(outputs, dict):  # validate / test: this worker's sample means
+            for name, value in outputs.items():
+                self.collector.add(name, value, self.collector.batch_count)
+            return None
+        return outputs.numpy()
+
+    def eval_indices(self) -> Sequence[int]:
+        return self._eval_indices[: sum(self._eval_sizes)].tolist()
+
+    def unbatch(self, outputs: Any) -> list[Any]:
+        return list(outputs)
+
+    def collate(self, samples: list[Any]) -> Any:
+        return np.stack(samples) if samples else np.empty((0,))
+
+
+def _inputs(data: Any, what: str) -> tuple[np.ndarray, ...]:
+    """What predict reads: x alone, (x,), (x, y, ...) or an unbatched tf.data.Dataset of them; only x is used."""
+    if isinstance(data, tf.data.Dataset):
+        data = tuple(np.stack(column) for column in zip(*data.as_numpy_iterator()))
+    if isinstance(data, (tuple, list)):
+        data = data[0]
+    x = np.asarray(data)
+    if x.ndim == 0:
+        raise ConfigError(f"{what}: received {type(data).__name__}; return x (an array) or (x, y) arrays")
+    return (x.astype(np.float32) if x.dtype == np.float64 else x,)

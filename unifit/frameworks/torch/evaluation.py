@@ -1,0 +1,106 @@
+"""validate / test / predict for TrainModules (a mixin of TorchEngine; trainer/evaluation.py runs it).
+
+No optimizer and no training data are set up; every rank takes a disjoint shard of the stage's
+dataset (ShardSampler: uneven, no padding, so no sample counts twice) and the model needs no
+strategy wrapper, since nothing is reduced but the logged metrics and the gathered predictions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from unifit.errors import ConfigError
+from unifit.frameworks.torch import data as tdata
+from unifit.frameworks.torch import user_loaders
+from unifit.frameworks.torch.precision import make_precision
+from unifit.strategies.torch_device import torch_device
+
+# stage -> (the data provider's method, the module's step)
+_STAGES = {"validate": ("val_dataset", "validation_step"), "test": ("test_dataset", "test_step"),
+           "predict": ("predict_dataset", "predict_step")}
+
+
+class TorchEvaluation:
+    module: Any
+    data: Any
+    strategy: Any
+    config: Any
+    collector: Any
+
+    def setup_evaluation(self, stage: str) -> None:
+        cfg, strategy = self.config, self.strategy
+        self.device = torch_device(cfg.accelerator, strategy.local_rank)
+        self._move = self.device.type != "cpu"
+        self.precision = make_precision(cfg.precision, self.device)
+        self.module.setup_stage(stage)
+        self.module.to(self.device)
+        source, step = _STAGES[stage]
+        self._eval_step = getattr(self.module, step)
+        dataset = getattr(self.data, source)()
+        if dataset is None:
+            raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
+                              f"define {source}()")
+        dataset, presharded = self._rank_data(dataset)
+        if presharded and stage == "predict":
+            raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
+                              "give one dataset (every rank takes its part of it)")
+        world, rank = (1, 0) if presharded else (strategy.world_size, strategy.rank)
+        if user_loaders.is_loader(dataset):
+            self.eval_loader = user_loaders.val_loader_from(dataset, f"{source}()", batch_size=cfg.batch_size,
+                                                            world_size=world, rank=rank)
+        else:
+            self.eval_loader = tdata.val_loader(tdata.as_dataset(dataset, f"{source}()"), batch_size=cfg.batch_size,
+                                                world_size=world, rank=rank, num_workers=cfg.num_workers,
+                                                pin_memory=self.device.type == "cuda")
+        self._limit = cfg.limit_val_batches if stage == "validate" else None
+        self._same_weights_everywhere()
+
+    def _same_weights_everywhere(self) -> None:
+        """Rank 0's weights on every rank, as fit starts (a checkpoint's, loaded after, are the same anyway)."""
+        if self.strategy.world_size > 1:
+            state = self.strategy.broadcast_object(
+                {k: v.cpu() for k, v in self.module.state_dict().items()} if self.strategy.is_global_zero else None)
+            self.module.load_state_dict(state)
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+
+    def eval_batches(self) -> Iterator[Any]:
+        self.module.eval()
+        for i, batch in enumerate(self.eval_loader):
+            if self._limit is not None and i >= self._limit:
+                break
+            yield tdata.to_device(batch, self.device) if self._move else batch
+
+    def eval_indices(self) -> Sequence[int]:
+        return self.eval_loader.sampler.indices
+
+    def eval_step(self, batch: Any, batch_idx: int) -> Any:
+        self.collector.batch_count = tdata.batch_size_of(batch)
+        with torch.no_grad(), self.precision.autocast():
+            return self._eval_step(batch, batch_idx)
+
+    def unbatch(self, outputs: Any) -> list[Any]:
+        """One output per sample: tensors split along the batch dimension (tuples and dicts of them too)."""
+        if isinstance(outputs, torch.Tensor):
+            return list(outputs.detach().cpu().unbind(0))
+        if isinstance(outputs, (tuple, list)):
+            return [type(outputs)(parts) for parts in zip(*(self.unbatch(o) for o in outputs))]
+        if isinstance(outputs, dict):
+            columns = {k: self.unbatch(v) for k, v in outputs.items()}
+            return [dict(zip(columns, row)) for row in zip(*columns.values())]
+        raise ConfigError(f"predict_step returned a {type(outputs).__name__}; return a tensor (one row per sample), "
+                          "or a tuple or dict of them")
+
+    def collate(self, samples: list[Any]) -> Any:
+        """The samples stacked back into batch-first tensors (of tuples and dicts alike)."""
+        if not samples:
+            return []
+        first = samples[0]
+        if isinstance(first, torch.Tensor):
+            return torch.stack(samples)
+        if isinstance(first, (tuple, list)):
+            return type(first)(self.collate(list(part)) for part in zip(*samples))
+        return {k: self.collate([s[k] for s in samples]) for k in first}

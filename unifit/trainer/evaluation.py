@@ -1,0 +1,91 @@
+"""validate / test / predict: one pass over a stage's data, sharded over every rank, no training.
+
+    set up the strategy, and the engine for the stage (the model only: no optimizer, no training data)
+    load the weights of --ckpt-path (best | last | a name | a directory), if given
+    for batch in this rank's disjoint shard (uneven shards, no padding: nothing is counted twice):
+        validate/test: the module's validation_step / test_step logs metrics
+        predict: predict_step's outputs are kept, sample by sample, with their dataset index
+    metrics: exact sample-weighted means over every rank
+    predictions: gathered on rank 0 in dataset order, each sample exactly once (other ranks get None)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from unifit._imports import load_object
+from unifit.errors import ConfigError
+from unifit.strategies import environment, registry
+from unifit.trainer.adapt import trainable
+from unifit.trainer.checkpoint_reading import read_committed
+from unifit.trainer.checkpoint_store import CheckpointStore
+from unifit.trainer.config import TrainerConfig
+
+log = logging.getLogger("unifit")
+
+STAGES = ("validate", "test", "predict")
+
+
+@dataclass
+class Evaluation:
+    """What validate/test/predict return: metrics on every rank, predictions on rank 0."""
+
+    stage: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    predictions: Any = None
+    checkpoint: str | None = None  # the checkpoint whose weights were evaluated
+
+
+def evaluate(config: TrainerConfig, stage: str, module: Any, data: Any = None,
+             ckpt_path: str | None = None) -> Evaluation:
+    if stage not in STAGES:
+        raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
+    given, (module, data) = module, trainable(module, data)
+    registry.check_framework(config.strategy, module.framework, type(given).__name__)
+    strategy = registry.create(
+        config.strategy, environment.detect(), framework=module.framework, accelerator=config.accelerator,
+        collective_timeout_s=config.collective_timeout_s, options=config.strategy_options)
+    engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, config)
+    result = Evaluation(stage)
+    try:
+        strategy.setup()
+        engine.seed(config.seed)
+        engine.setup_evaluation(stage)
+        if ckpt_path:
+            store = CheckpointStore(config.checkpoint_dir, config.storage_options)
+            payload, result.checkpoint = read_committed(ckpt_path, engine, strategy, store, config.storage_options)
+            if payload is None:
+                raise ConfigError(f"--ckpt-path {ckpt_path}: no committed checkpoint in {store.url} to {stage}; train "
+                                  "first, or name a checkpoint directory")
+            engine.load_weights(payload["engine"])
+            if strategy.is_global_zero:
+                log.info("%s: weights of %s", stage, result.checkpoint)
+        engine.collector.reset()
+        kept: list[Any] = []
+        for batch_idx, batch in enumerate(engine.eval_batches()):
+            outputs = engine.eval_step(batch, batch_idx)
+            if stage == "predict":
+                kept.extend(engine.unbatch(outputs))
+        if stage == "predict":
+            result.predictions = _in_dataset_order(strategy, engine, kept)
+        else:
+            result.metrics = engine.collector.reduce(strategy)
+        return result
+    finally:
+        module._unifit_collector = None
+        strategy.teardown()
+
+
+def _in_dataset_order(strategy: Any, engine: Any, samples: list[Any]) -> Any:
+    """Every rank's (index, sample) pairs on rank 0, sorted by dataset index and collated."""
+    indices = list(engine.eval_indices())
+    if len(indices) != len(samples):
+        raise ConfigError(f"predict_step returned {len(samples)} samples for the {len(indices)} this rank predicted; "
+                          "return one output row per input sample")
+    gathered = strategy.all_gather_object(list(zip(indices, samples)))
+    if not strategy.is_global_zero:
+        return None
+    ordered = sorted((pair for rank_pairs in gathered for pair in rank_pairs), key=lambda pair: pair[0])
+    return engine.collate([sample for _, sample in ordered])
