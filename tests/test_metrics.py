@@ -50,3 +50,43 @@ def test_keys_reduced_in_sorted_order():
 def test_key_on_some_ranks_only_is_an_error():
     with pytest.raises(DistributedError, match=r"'x' was logged on ranks \[0\] but not on ranks \[1\]"):
         _agreed_keys([["loss", "x"], ["loss"], []])
+
+
+@pytest.mark.timeout(300)
+def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
+    """torchmetrics AUROC and F1 (not means) logged as objects: 37 validation samples over 2 ranks give
+    the one-process value, in fit under ddp and in validate under horovod and single."""
+    import json
+
+    import torch
+    from sklearn.metrics import f1_score, roc_auc_score
+
+    from tests.helpers import assert_ok, run_unifit
+
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(f"""
+module: {{class_path: tests.probe.metrics_probe.MetricsProbe}}
+trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_bar: false}}
+""")
+    assert_ok(run_unifit("launch", "--nproc-per-node", "2", "-c", str(experiment), "--trainer.strategy", "ddp"))
+    fitted = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    values = {}
+    for strategy, procs in (("single", "1"), ("horovod", "2")):
+        assert_ok(run_unifit("launch", "--nproc-per-node", procs, "-c", str(experiment), "--trainer.strategy", strategy,
+                             "--run", "validate", "--ckpt-path", "last"))
+        values[strategy] = json.loads((tmp_path / "run" / "validate.json").read_text())["metrics"]
+
+    # the reference: the checkpoint's predictions on all 37 samples, scored at once
+    from tests.probe.metrics_probe import MetricsProbe, _data
+
+    module = MetricsProbe()
+    last = json.loads((tmp_path / "run" / "checkpoints" / "last.json").read_text())["name"]
+    state = torch.load(tmp_path / "run" / "checkpoints" / last / "state.pt", weights_only=False)
+    module.load_state_dict(state["engine"]["model"])
+    x, y = _data(37, seed=2)
+    with torch.no_grad():
+        probs = torch.sigmoid(module.net(x).squeeze(1)).numpy()
+    expected = {"val/auroc": roc_auc_score(y.numpy(), probs), "val/f1": f1_score(y.numpy(), probs > 0.5)}
+    for where, metrics in {"fit under ddp": fitted, **values}.items():
+        for name, value in expected.items():
+            assert metrics[name] == pytest.approx(value, abs=1e-6), (where, name)

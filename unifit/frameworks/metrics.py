@@ -6,6 +6,10 @@ Keys are reduced in sorted order so ranks never mix values; a key logged on some
 not on others (which processed batches) is an error on every rank, not a silent mix.
 Nothing here syncs with the device per step: values are kept as they come and turned into
 numbers once, at the end of the phase.
+
+Metrics that are not means (AUROC, F1, precision at k...) are logged as stateful metric objects
+(torchmetrics `Metric`): their states are gathered from every rank at the end of the phase and
+computed once, which gives the value over the whole dataset, uneven shards included.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from unifit.errors import DistributedError
+from unifit.errors import ConfigError, DistributedError
 
 
 class MetricCollector:
     def __init__(self, to_numpy: Callable[[list[Any]], np.ndarray]) -> None:
         self._to_numpy = to_numpy
         self._entries: dict[str, tuple[list[Any], list[int]]] = {}
+        self._stateful: dict[str, Any] = {}  # name -> a metric object the module updates itself
         self._last_totals: dict[str, float] = {}
         self.batch_count = 1  # samples in the current batch: the default weight of self.log
 
@@ -30,8 +35,14 @@ class MetricCollector:
 
     def reset(self) -> None:
         self._entries = {}
+        for metric in self._stateful.values():
+            metric.reset()
+        self._stateful = {}
 
     def add(self, name: str, value: Any, count: int) -> None:
+        if is_stateful(value):  # its own states accumulate; the object is computed at the end
+            self._stateful[name] = value
+            return
         entry = self._entries.get(name)
         if entry is None:
             entry = self._entries[name] = ([], [])
@@ -39,7 +50,8 @@ class MetricCollector:
         entry[1].append(count)
 
     def state_dict(self) -> dict[str, tuple[list[float], list[int]]]:
-        """The phase so far as numbers (a mid-epoch checkpoint): each entry's mean and its count."""
+        """The phase so far as numbers (a mid-epoch checkpoint): each entry's mean and its count.
+        A stateful metric's states live in the module (its state_dict), not here."""
         out = {}
         for name, (values, counts) in self._entries.items():
             means = self._to_numpy(values).astype(np.float64).reshape(len(counts), -1).mean(axis=1)
@@ -55,9 +67,11 @@ class MetricCollector:
 
     def reduce(self, strategy: Any) -> dict[str, float]:
         """Sample-weighted means over every rank (a collective: call on all ranks)."""
-        local_keys = sorted(self._entries)
+        local_keys = sorted([*self._entries, *self._stateful])
         all_keys = strategy.all_gather_object(local_keys)
-        keys = _agreed_keys(all_keys)
+        stateful = {key: self._stateful[key] for key in _agreed_keys(all_keys) if key in self._stateful}
+        computed = {key: _computed_over_ranks(key, metric, strategy) for key, metric in sorted(stateful.items())}
+        keys = [key for key in _agreed_keys(all_keys) if key not in stateful]
         sums = np.zeros(2 * len(keys), dtype=np.float64)
         for i, key in enumerate(keys):
             entry = self._entries.get(key)
@@ -70,8 +84,34 @@ class MetricCollector:
         totals = strategy.all_reduce_sum(sums)
         self.reset()
         self._last_totals = {key: float(totals[len(keys) + i]) for i, key in enumerate(keys)}
-        return {key: float(totals[i] / totals[len(keys) + i])
-                for i, key in enumerate(keys) if totals[len(keys) + i] > 0}
+        means = {key: float(totals[i] / totals[len(keys) + i]) for i, key in enumerate(keys) if totals[len(keys) + i] > 0}
+        return {**means, **computed}
+
+
+def is_stateful(value: Any) -> bool:
+    """A torchmetrics-style metric object (update/compute/reset, states synced by sync())."""
+    return all(hasattr(value, attr) for attr in ("compute", "reset", "dist_sync_fn", "distributed_available_fn"))
+
+
+def _computed_over_ranks(name: str, metric: Any, strategy: Any) -> float:
+    """compute() with every rank's states gathered (torchmetrics' own reductions: cat, sum, ...),
+    through the strategy's collectives, so it works under Horovod too, not only torch.distributed."""
+
+    def gather(tensor: Any, group: Any = None) -> list[Any]:
+        return [t.to(tensor.device) for t in strategy.all_gather_object(tensor.detach().cpu())]
+
+    saved = metric.dist_sync_fn, metric.distributed_available_fn
+    metric.dist_sync_fn, metric.distributed_available_fn = gather, (lambda: strategy.world_size > 1)
+    try:
+        value = metric.compute()
+    finally:
+        metric.dist_sync_fn, metric.distributed_available_fn = saved
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"self.log({name!r}, {type(metric).__name__}): it computes a "
+                          f"{type(value).__name__}, not one number; log a metric that gives a scalar "
+                          "(e.g. average='macro')") from None
 
 
 def _agreed_keys(all_keys: list[list[str]]) -> list[str]:

@@ -241,14 +241,12 @@ class LightningAdapter(TrainModule):
              add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
              rank_zero_only: bool = False) -> None:
         """Lightning's self.log: an epoch mean over every rank, weighted by `batch_size` (exact, so
-        sync_dist is always on); on_step / prog_bar / logger only change where Lightning shows it."""
+        sync_dist is always on), or a torchmetrics Metric computed over every rank's states at the
+        epoch's end; on_step / prog_bar / logger only change where Lightning shows it."""
         where = f"{type(self.lightning).__name__}: self.log({name!r}, ...)"
         if reduce_fx not in ("mean", torch.mean):
             raise ConfigError(f"{where}: reduce_fx={reduce_fx!r}; unifit logs sample-weighted means over all ranks "
                               "only: log the values to average, or compute the statistic yourself")
-        if _derives_from(value, "Metric") and type(value).__module__.startswith("torchmetrics"):
-            raise ConfigError(f"{where}: a torchmetrics Metric object is not supported yet; log its per-batch "
-                              "value (metric(preds, target)) instead")
         if not self._in_step:
             raise ConfigError(f"{where} outside training_step/validation_step: unifit reduces metrics when the "
                               "loop ends; log inside a step (the epoch mean over all ranks is computed for you)")
