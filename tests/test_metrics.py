@@ -90,3 +90,31 @@ trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_
     for where, metrics in {"fit under ddp": fitted, **values}.items():
         for name, value in expected.items():
             assert metrics[name] == pytest.approx(value, abs=1e-6), (where, name)
+
+
+@pytest.mark.timeout(400)
+def test_keras_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
+    """keras.metrics AUC and Precision from KerasModule.stateful_metrics(): 37 validation samples over 2
+    workers (mwms fit, horovod validate) or 2 replicas (mirrored) give the one-process value."""
+    import json
+
+    from tests.helpers import assert_ok, run_unifit
+
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(f"""
+module: {{class_path: tests.probe.keras_metrics_probe.KerasMetricsProbe}}
+trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_bar: false}}
+""")
+    assert_ok(run_unifit("launch", "--nproc-per-node", "2", "-c", str(experiment), "--trainer.strategy", "mwms"))
+    fitted = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    values = {}
+    for strategy, procs, options in (("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]),
+                                     ("horovod", "2", [])):
+        assert_ok(run_unifit("launch", "--nproc-per-node", procs, "-c", str(experiment), "--trainer.strategy", strategy,
+                             *options, "--run", "validate", "--ckpt-path", "last"))
+        values[strategy] = json.loads((tmp_path / "run" / "validate.json").read_text())["metrics"]
+    reference = values.pop("single")  # one process, all 37 samples at once
+    assert 0.5 < reference["val/auc"] < 1.0 and 0.0 < reference["val/precision"] <= 1.0
+    for where, metrics in {"fit under mwms": fitted, **values}.items():
+        for name in ("val/auc", "val/precision"):
+            assert metrics[name] == pytest.approx(reference[name], abs=1e-6), (where, name)

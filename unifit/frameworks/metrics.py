@@ -8,8 +8,9 @@ Nothing here syncs with the device per step: values are kept as they come and tu
 numbers once, at the end of the phase.
 
 Metrics that are not means (AUROC, F1, precision at k...) are logged as stateful metric objects
-(torchmetrics `Metric`): their states are gathered from every rank at the end of the phase and
-computed once, which gives the value over the whole dataset, uneven shards included.
+(a torchmetrics `Metric`, a keras.metrics.Metric), which each framework wraps: their states are
+combined over every rank at the end of the phase and computed once, which gives the value over
+the whole dataset, uneven shards included.
 """
 
 from __future__ import annotations
@@ -89,29 +90,17 @@ class MetricCollector:
 
 
 def is_stateful(value: Any) -> bool:
-    """A torchmetrics-style metric object (update/compute/reset, states synced by sync())."""
-    return all(hasattr(value, attr) for attr in ("compute", "reset", "dist_sync_fn", "distributed_available_fn"))
+    """A metric object computed over every rank's states (frameworks/torch/stateful.py, frameworks/keras/stateful.py)."""
+    return hasattr(value, "compute_over") and hasattr(value, "reset")
 
 
 def _computed_over_ranks(name: str, metric: Any, strategy: Any) -> float:
-    """compute() with every rank's states gathered (torchmetrics' own reductions: cat, sum, ...),
-    through the strategy's collectives, so it works under Horovod too, not only torch.distributed."""
-
-    def gather(tensor: Any, group: Any = None) -> list[Any]:
-        return [t.to(tensor.device) for t in strategy.all_gather_object(tensor.detach().cpu())]
-
-    saved = metric.dist_sync_fn, metric.distributed_available_fn
-    metric.dist_sync_fn, metric.distributed_available_fn = gather, (lambda: strategy.world_size > 1)
-    try:
-        value = metric.compute()
-    finally:
-        metric.dist_sync_fn, metric.distributed_available_fn = saved
+    value = metric.compute_over(strategy)
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
-        raise ConfigError(f"self.log({name!r}, {type(metric).__name__}): it computes a "
-                          f"{type(value).__name__}, not one number; log a metric that gives a scalar "
-                          "(e.g. average='macro')") from None
+        raise ConfigError(f"metric {name!r}: {metric.name} computes a {type(value).__name__}, not one number; log a "
+                          "metric that gives a scalar (e.g. average='macro')") from None
 
 
 def _agreed_keys(all_keys: list[list[str]]) -> list[str]:

@@ -38,6 +38,7 @@ from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
+from unifit.frameworks.keras.stateful import KerasMetricValue  # noqa: E402
 from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
 
 _TF_PREFIX = "tf/"
@@ -110,6 +111,7 @@ class KerasEngine(KerasEvaluation, Engine):
         optimizer = getattr(self, "step_optimizer", None)  # none when only evaluating
         prefix = "train/" if train else prefix
         evaluate = evaluate or module.validation_step
+        keep_outputs = bool(self._stateful_metrics(prefix))  # their update runs on the host (stateful.py)
 
         def forward(x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
             """Per replica: forward, loss and (training) gradients; what trainer.compile gives to XLA.
@@ -131,6 +133,8 @@ class KerasEngine(KerasEvaluation, Engine):
             for name, values in module.metrics(y, y_pred).items():
                 sums[f"{prefix}{name}"] = tf.reduce_sum(tf.cast(values, tf.float32))
             sums["_count"] = tf.cast(tf.shape(per_example)[0], tf.float32)
+            if keep_outputs:
+                sums["_y"], sums["_y_pred"] = y, tf.cast(y_pred, tf.float32)
             return grads, sums
 
         if self.config.compile:
@@ -150,9 +154,11 @@ class KerasEngine(KerasEvaluation, Engine):
             # training passes the iterator and dequeues inside the graph, as Keras' own fit does
             batch = next(batch_or_iterator) if train else batch_or_iterator
             per_replica = self.dist.run(replica_step, args=batch)
-            local = {k: tf.add_n(self.dist.experimental_local_results(v)) for k, v in per_replica.items()}
-            count = tf.maximum(local.pop("_count"), 1.0)
-            return {k: v / count for k, v in local.items()}  # this worker's sample means
+            local = {k: self.dist.experimental_local_results(v) for k, v in per_replica.items()}
+            outputs = {k: tf.concat(local.pop(k), axis=0) for k in ("_y", "_y_pred") if k in local}  # replica order
+            sums = {k: tf.add_n(v) for k, v in local.items()}
+            count = tf.maximum(sums.pop("_count"), 1.0)
+            return {**{k: v / count for k, v in sums.items()}, **outputs}  # this worker's sample means
 
         return step
 
@@ -212,9 +218,7 @@ class KerasEngine(KerasEvaluation, Engine):
         with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
             means = self._train_fn(batch) if not self._untried else self._first_call(self._train_fn, batch, "training")
         self._steps += 1
-        count = self.collector.batch_count
-        for name, value in means.items():
-            self.collector.add(name, value, count)
+        self._collect("train/", means)
         return means["train/loss"]
 
     def val_batches(self) -> Iterator[Any]:
@@ -229,9 +233,25 @@ class KerasEngine(KerasEvaluation, Engine):
             yield batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        sums = self._val_fn(batch) if not self._untried else self._first_call(self._val_fn, batch, "validation")
-        for name, value in sums.items():
+        means = self._val_fn(batch) if not self._untried else self._first_call(self._val_fn, batch, "validation")
+        self._collect("val/", means)
+
+    def _collect(self, prefix: str, means: dict[str, Any]) -> None:
+        """A step's sample means into the collector; its outputs, if kept, into the stateful metrics."""
+        y, y_pred = means.pop("_y", None), means.pop("_y_pred", None)
+        for name, value in means.items():
             self.collector.add(name, value, self.collector.batch_count)
+        for name, metric in self._stateful_metrics(prefix).items():
+            metric.update(y, y_pred)
+            self.collector.add(f"{prefix}{name}", metric, 0)
+
+    def _stateful_metrics(self, prefix: str) -> dict[str, KerasMetricValue]:
+        """The module's stateful metrics for one phase (each phase its own objects), made once."""
+        made = self.__dict__.setdefault("_stateful", {})
+        if prefix not in made:
+            made[prefix] = {name: KerasMetricValue(metric, f"{type(self.module).__name__}.stateful_metrics()['{name}']")
+                            for name, metric in self.module.stateful_metrics().items()}
+        return made[prefix]
 
     def _first_call(self, fn: Any, batch: Any, which: str) -> Any:
         """The first call of a step under trainer.compile: an op XLA cannot compile is a one-line error."""

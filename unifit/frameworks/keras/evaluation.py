@@ -37,6 +37,7 @@ class KerasEvaluation:
         self.precision = make_precision(cfg.precision)
         self._set_up_replicas()
         source, step, prefix = _STAGES[stage]
+        self._prefix = prefix
         data = getattr(self.data, source)()
         if data is None:
             raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
@@ -92,8 +93,7 @@ class KerasEvaluation:
     def eval_step(self, batch: Any, batch_idx: int) -> Any:
         outputs = self._eval_fn(batch)
         if isinstance(outputs, dict):  # validate / test: this worker's sample means
-            for name, value in outputs.items():
-                self.collector.add(name, value, self.collector.batch_count)
+            self._collect(self._prefix, outputs)
             return None
         return outputs.numpy()
 

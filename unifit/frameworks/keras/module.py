@@ -7,6 +7,7 @@
                                            training_step(x, y) -> per-example losses)
     self.log("val/acc", value)             metrics(y, y_pred) -> {"acc": per-example values}
                                            (logged as train/acc and val/acc, sample-weighted)
+    self.log("val/auc", torchmetric)       stateful_metrics() -> {"auc": keras.metrics.AUC()}
     configure_optimizers() -> optimizer    configure_optimizers() -> keras optimizer (base lr)
     train_dataset()/val_dataset()          the same: arrays (x, y) or an unbatched tf.data.Dataset
     test_step / predict_step               test_step(x, y) like validation_step; predict_step(x) -> outputs
@@ -47,6 +48,12 @@ class KerasModule(ModuleBase):
 
     def metrics(self, y: Any, y_pred: Any) -> dict[str, Any]:
         """Per-example metric values by name (logged as train/<name> and val/<name>)."""
+        return {}
+
+    def stateful_metrics(self) -> dict[str, Any]:
+        """Metrics that are not means, by name: new keras.metrics.Metric objects on every call (e.g.
+        {"auc": keras.metrics.AUC()}), updated with (y, y_pred) every step and computed over every
+        replica and worker at the end of the phase (logged as train/<name>, val/<name>, test/<name>)."""
         return {}
 
     def training_step(self, x: Any, y: Any) -> tuple[Any, Any]:

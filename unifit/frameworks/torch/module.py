@@ -8,6 +8,7 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
+from unifit.frameworks.torch.stateful import TorchmetricValue, is_torchmetric
 
 
 class TrainModule(ModuleBase, torch.nn.Module):
@@ -48,4 +49,6 @@ class TrainModule(ModuleBase, torch.nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
 
     def _detach(self, value: Any) -> Any:
-        return value.detach() if isinstance(value, torch.Tensor) else value
+        if isinstance(value, torch.Tensor):
+            return value.detach()
+        return TorchmetricValue(value) if is_torchmetric(value) else value

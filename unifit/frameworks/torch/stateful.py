@@ -1,0 +1,33 @@
+"""torchmetrics Metric objects logged with self.log: computed over every rank's states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_torchmetric(value: Any) -> bool:
+    return all(hasattr(value, attr) for attr in ("compute", "reset", "dist_sync_fn", "distributed_available_fn"))
+
+
+class TorchmetricValue:
+    """compute() with every rank's states gathered (torchmetrics' own reductions: cat, sum, ...)
+    through the strategy's collectives, so it works under Horovod too, not only torch.distributed."""
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self.name = type(metric).__name__
+
+    def compute_over(self, strategy: Any) -> Any:
+        def gather(tensor: Any, group: Any = None) -> list[Any]:
+            return [t.to(tensor.device) for t in strategy.all_gather_object(tensor.detach().cpu())]
+
+        metric = self.metric
+        saved = metric.dist_sync_fn, metric.distributed_available_fn
+        metric.dist_sync_fn, metric.distributed_available_fn = gather, (lambda: strategy.world_size > 1)
+        try:
+            return metric.compute()
+        finally:
+            metric.dist_sync_fn, metric.distributed_available_fn = saved
+
+    def reset(self) -> None:
+        self.metric.reset()
