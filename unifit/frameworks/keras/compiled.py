@@ -13,7 +13,7 @@
 - metrics(): the compiled metrics that are per-example means (strings, functions and
   MeanMetricWrapper objects such as SparseCategoricalAccuracy); 'accuracy'/'acc' are resolved from
   the shapes of the targets and predictions, as Keras does. Stateful metrics that are not means
-  (AUC, Precision, Recall, ...) are refused in one line.
+  (AUC, Precision, Recall, ...) become stateful_metrics(): exact over every replica and worker.
 What compile() offers that unifit cannot honour (loss_weights, several outputs, weighted_metrics,
 run_eagerly, steps_per_execution > 1) is refused in one line naming the argument.
 
@@ -124,7 +124,7 @@ class CompiledModel(KerasModule):
                               "give a loss name, a keras.losses.Loss or a function(y_true, y_pred)") from None
         if isinstance(function, keras.losses.Loss):  # a name resolved to a Loss class
             return CompiledModel._resolve_loss(function, where)
-        return function
+        return _same_rank(function)
 
     @staticmethod
     def _resolve_metrics(metrics: Any, where: str) -> list[tuple[str, Any]]:
@@ -146,14 +146,12 @@ class CompiledModel(KerasModule):
                     raise ConfigError(f"{where}: model.compile(metrics=[{name!r}]) is not a Keras metric "
                                       f"({exc})") from None
             if isinstance(metric, keras.metrics.MeanMetricWrapper):
-                fn, kwargs = metric._fn, dict(metric._fn_kwargs)
+                fn, kwargs = _same_rank(metric._fn), dict(metric._fn_kwargs)
                 resolved.append((name or metric.name, lambda y, y_pred, fn=fn, kwargs=kwargs: fn(y, y_pred, **kwargs)))
-            elif isinstance(metric, keras.metrics.Metric):
-                raise ConfigError(f"{where}: metric {_metric_name(metric)!r} ({type(metric).__name__}) is a stateful "
-                                  "metric that is not a mean of per-example values; unifit logs exact per-example "
-                                  "means for now: remove it from model.compile(metrics=...) (or compute it after fit)")
+            elif isinstance(metric, keras.metrics.Metric):  # AUC, Precision, ...: its states, summed over workers
+                resolved.append((name or metric.name, _Stateful(metric)))
             elif callable(metric):
-                resolved.append((name or _metric_name(metric), metric))
+                resolved.append((name or _metric_name(metric), _same_rank(metric)))
             else:
                 raise ConfigError(f"{where}: model.compile(metrics=[{metric!r}]) is not a metric; give names, "
                                   "functions or keras.metrics mean metrics")
@@ -211,11 +209,16 @@ class CompiledModel(KerasModule):
     def loss(self, y: Any, y_pred: Any) -> Any:
         return _per_example(self._loss(y, y_pred))
 
+    def stateful_metrics(self) -> dict[str, Any]:
+        return {name: fn.fresh() for name, fn in self._metrics if isinstance(fn, _Stateful)}
+
     def metrics(self, y: Any, y_pred: Any) -> dict[str, Any]:
         values = {}
         for name, fn in self._metrics:
+            if isinstance(fn, _Stateful):
+                continue
             if fn == "accuracy":
-                fn = _accuracy_for(y, y_pred)
+                fn = _same_rank(_accuracy_for(y, y_pred))
             values[name] = _per_example(fn(y, y_pred))
         return values
 
@@ -254,6 +257,29 @@ class CompiledModel(KerasModule):
         if not user.weights and getattr(built, "inputs", None):
             user.build(built.inputs[0].shape)
         user.set_weights(built.get_weights())
+
+
+class _Stateful:
+    """A compiled metric that is not a mean; each phase gets a fresh copy of it (same config)."""
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+
+    def fresh(self) -> Any:
+        return type(self.metric).from_config(self.metric.get_config())
+
+
+def _same_rank(function: Any) -> Any:
+    """`function(y, y_pred)` after Keras' own rank alignment (a (N,) target against (N, 1) outputs is
+    squeezed, as Loss and MeanMetricWrapper do), so it never broadcasts to (N, N)."""
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # what Keras' own wrappers call
+
+    def aligned(y: Any, y_pred: Any, **kwargs: Any) -> Any:
+        y, y_pred = squeeze_or_expand_to_same_rank(keras.ops.convert_to_tensor(y), keras.ops.convert_to_tensor(y_pred))
+        return function(y, y_pred, **kwargs)
+
+    aligned.__name__ = getattr(function, "__name__", "metric")
+    return aligned
 
 
 def _in_policy(layer: Any) -> Any:
