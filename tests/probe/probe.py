@@ -30,6 +30,19 @@ class Indexed(Dataset):
         return self.x[i], self.y[i], i
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """Indexed samples as a stream (no __getitem__); with __len__ unless told not to have one."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.samples = Indexed(n, seed)
+
+    def __iter__(self):
+        return (self.samples[i] for i in range(len(self.samples)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
 class ProbeModule(unifit.TrainModule):
     def __init__(self, n_train: int = 64, n_val: int = 37, lr: float = 0.05, dropout: float = 0.2,
                  nan_at_step: int | None = None, nan_rank: int | None = None,
@@ -52,6 +65,7 @@ class ProbeModule(unifit.TrainModule):
 
     def test_dataset(self):
         return Indexed(29, seed=3)
+
 
     def predict_dataset(self):
         return Indexed(23, seed=4)
@@ -182,3 +196,13 @@ class SlowSteps(unifit.Callback):
         import time
 
         time.sleep(self.seconds)
+
+
+class StreamProbe(ProbeModule):
+    """The probe with its training and validation data as streams (IterableDatasets)."""
+
+    def train_dataset(self):
+        return Stream(self.n_train, seed=1)
+
+    def val_dataset(self):
+        return Stream(self.n_val, seed=2)

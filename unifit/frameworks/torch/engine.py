@@ -14,7 +14,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch import user_loaders
+from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.strategies.torch_device import torch_device
 from unifit.frameworks.torch.optimizers import parse_optimizers
@@ -53,7 +53,12 @@ class TorchEngine(TorchEvaluation, Engine):
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
         shards = (1, 0) if presharded else (strategy.world_size, strategy.rank)
-        if user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampler sharded
+        self._stream = iterable.is_stream(train)
+        if self._stream:  # an IterableDataset: batches dealt to ranks and workers (iterable.py)
+            self.train_loader = iterable.stream_loader(
+                train, "train_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1], train=True,
+                limit=cfg.limit_train_batches, num_workers=cfg.num_workers, pin_memory=pin)
+        elif user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampler sharded
             self.train_loader = user_loaders.train_loader_from(
                 train, "train_dataloader()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
                 seed=cfg.seed, drop_last=cfg.drop_last)
@@ -76,7 +81,11 @@ class TorchEngine(TorchEvaluation, Engine):
         self.val_loader = None
         if val is not None and cfg.limit_val_batches != 0:
             shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
-            if user_loaders.is_loader(val):
+            if iterable.is_stream(val):
+                self.val_loader = iterable.stream_loader(
+                    val, "val_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
+                    train=False, limit=None, num_workers=cfg.num_workers, pin_memory=pin)
+            elif user_loaders.is_loader(val):
                 self.val_loader = user_loaders.val_loader_from(
                     val, "val_dataloader()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1])
             else:
@@ -105,7 +114,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self._plain = (type(self.precision) is Precision and self.accumulate == 1 and cfg.gradient_clip_val is None
                        and all(getattr(type(training), hook) is getattr(TorchTraining, hook)
                                for hook in ("backward", "synchronized_gradients", "optimizer_step")))
-        self._sizes = tdata.batch_sizes(self.train_loader, self._batches)
+        self._sizes = (cfg.batch_size,) * 2 if self._stream else tdata.batch_sizes(self.train_loader, self._batches)
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -123,7 +132,10 @@ class TorchEngine(TorchEvaluation, Engine):
     # ---- training -----------------------------------------------------------------------
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         self.module.train()
-        self.train_loader.sampler.set_epoch(epoch, skip * self.config.batch_size)
+        if self._stream:  # a stream skips whole batches; a sampler skips sample indices
+            self.train_loader.dataset.set_epoch(epoch, skip)
+        else:
+            self.train_loader.sampler.set_epoch(epoch, skip * self.config.batch_size)
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
         self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
         batches = itertools.islice(self.train_loader, self._batches - skip)  # the loader's own iterator, no layer

@@ -13,7 +13,7 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch import user_loaders
+from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
 
@@ -47,7 +47,14 @@ class TorchEvaluation:
             raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
                               "give one dataset (every rank takes its part of it)")
         world, rank = (1, 0) if presharded else (strategy.world_size, strategy.rank)
-        if user_loaders.is_loader(dataset):
+        if iterable.is_stream(dataset):
+            if stage == "predict":
+                raise ConfigError(f"{source}(): an IterableDataset has no indices to put predictions in order by; "
+                                  "give a map-style Dataset (with __len__ and __getitem__)")
+            self.eval_loader = iterable.stream_loader(dataset, f"{source}()", batch_size=cfg.batch_size,
+                                                      world_size=world, rank=rank, train=False, limit=None,
+                                                      num_workers=cfg.num_workers, pin_memory=False)
+        elif user_loaders.is_loader(dataset):
             self.eval_loader = user_loaders.val_loader_from(dataset, f"{source}()", batch_size=cfg.batch_size,
                                                             world_size=world, rank=rank)
         else:

@@ -4,8 +4,8 @@ pinning and worker_init_fn; only the sampler is replaced (as Lightning does unde
 rank sees a disjoint part, reshuffled each epoch when the loader shuffled, resumable mid-epoch.
 
 What cannot be sharded without changing what the loader means is refused in one line: a custom
-sampler or batch sampler, an IterableDataset, or a batch size other than trainer.batch_size (the
-number unifit scales the learning rate and counts samples by).
+sampler or batch sampler, or a batch size other than trainer.batch_size (the number unifit scales
+the learning rate and counts samples by). A loader over an IterableDataset goes to iterable.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
-                              Sampler, SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.data import ResumableSampler, ShardSampler
@@ -40,9 +39,6 @@ def val_loader_from(loader: DataLoader, what: str, *, batch_size: int, world_siz
 
 def _check(loader: DataLoader, what: str, batch_size: int) -> bool:
     """Whether the loader shuffles; refuses what cannot be sharded faithfully."""
-    if isinstance(loader.dataset, IterableDataset):
-        raise ConfigError(f"{what}: the DataLoader reads an IterableDataset ({type(loader.dataset).__name__}), which "
-                          "unifit cannot shard by sampler yet; give a map-style Dataset (with __len__ and __getitem__)")
     if type(loader.batch_sampler) is not BatchSampler:
         raise ConfigError(f"{what}: the DataLoader has a custom batch_sampler ({type(loader.batch_sampler).__name__}), "
                           "which unifit cannot shard over ranks; use batch_size= and shuffle= instead")
