@@ -102,3 +102,22 @@ def test_print_config_shows_resolved_values_with_overrides():
     assert cfg["module"]["init_args"]["lr"] == 0.2
     assert cfg["trainer"]["checkpoint"]["keep_last_n"] == 3  # defaults are filled in
     assert cfg["trainer"]["lr_scaling"] == "linear"
+
+
+def test_keras_and_lightning_callbacks_and_sample_weights_are_refused_in_one_line():
+    import keras
+    import numpy as np
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from unifit import Trainer
+    from unifit.errors import ConfigError
+    from unifit.frameworks.keras.data import arrays
+
+    for callback, needle in [(keras.callbacks.ReduceLROnPlateau(), "a ReduceLROnPlateau scheduler"),
+                             (ModelCheckpoint(), "trainer.checkpoint"), (object(), "unifit.Callback subclass")]:
+        with pytest.raises(ConfigError, match="trainer.callbacks\\[0\\]") as caught:
+            Trainer(callbacks=[callback])
+        assert needle in str(caught.value) and "\n" not in str(caught.value)
+    x = np.zeros((4, 2), np.float32)
+    with pytest.raises(ConfigError, match="train_dataset\\(\\): received 3 arrays .* sample weights are not supported"):
+        arrays((x, x[:, 0], np.ones(4)), "train_dataset()")

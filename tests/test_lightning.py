@@ -160,3 +160,23 @@ module:
         epoch = ["on_train_epoch_start", "on_validation_epoch_end", "on_train_epoch_end"]
         assert r["calls"] == ["setup:fit", "on_fit_start", *epoch, *epoch]  # reported before the module's on_fit_end
     assert {"train_mse", "val_mse"} <= set(reports[0]["metrics"])
+
+
+def test_trainmodule_offers_save_hyperparameters_natively():
+    import unifit
+
+    class Native(unifit.TrainModule):
+        def __init__(self, lr: float = 0.1, hidden: int = 4, **extra) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    class Some(unifit.TrainModule):
+        def __init__(self, lr: float = 0.1, hidden: int = 4) -> None:
+            super().__init__()
+            self.save_hyperparameters("lr")
+
+    module = Native(lr=0.5, note="x")
+    assert module.hparams == {"lr": 0.5, "hidden": 4, "note": "x"} and module.hparams.lr == 0.5
+    assert Some().hparams == {"lr": 0.1}
+    with pytest.raises(AttributeError, match="hparams has no 'nope'"):
+        module.hparams.nope

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
+
+from unifit.errors import ConfigError
+
+
+class HParams(dict):
+    """A dict whose keys read as attributes (`hparams.lr`), like Lightning's AttributeDict."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"hparams has no '{name}' (it has {sorted(self)})") from None
 
 
 class ModuleBase:
@@ -16,6 +29,24 @@ class ModuleBase:
     engine: ClassVar[str]
 
     _unifit_collector: Any = None
+
+    def save_hyperparameters(self, *names: str) -> None:
+        """Keep the calling __init__'s arguments (all, or the ones named) in `self.hparams`, as
+        Lightning's save_hyperparameters() does: `self.hparams.lr`, `self.hparams["lr"]`."""
+        frame = inspect.currentframe().f_back  # the __init__ that called this
+        info = inspect.getargvalues(frame)
+        values = {name: info.locals[name] for name in info.args if name != "self"}
+        if info.keywords:
+            values.update(info.locals[info.keywords])
+        unknown = [name for name in names if name not in values]
+        if unknown:
+            raise ConfigError(f"{type(self).__name__}.save_hyperparameters({', '.join(map(repr, names))}): "
+                              f"{unknown} are not arguments of its __init__ (it has {sorted(values)})")
+        self.__dict__["hparams"] = HParams({k: v for k, v in values.items() if not names or k in names})
+
+    @property
+    def hparams(self) -> "HParams":
+        return self.__dict__.setdefault("hparams", HParams())
 
     def log(self, name: str, value: Any, *, batch_size: int | None = None) -> None:
         """Record a metric; it is averaged over the epoch and all ranks, weighted by samples.

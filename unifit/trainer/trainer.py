@@ -54,6 +54,9 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
+        for i, c in enumerate(kwargs.get("callbacks", [])):
+            if not isinstance(c, (Callback, dict, str)):
+                raise ConfigError(_foreign_callback(i, c))
         self.extra_callbacks: list[Callback] = [c for c in kwargs.get("callbacks", []) if isinstance(c, Callback)]
         if self.extra_callbacks:
             kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
@@ -298,6 +301,28 @@ class Trainer:
         cls = type(module)
         return resolved_yaml(ExperimentConfig(
             module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=self.config))
+
+
+# what unifit already does for the callbacks users bring from Keras and Lightning
+_EQUIVALENTS = {
+    "ModelCheckpoint": "trainer.checkpoint (rank 0, atomic, best/last)",
+    "EarlyStopping": "trainer.early_stopping",
+    "CSVLogger": "<root_dir>/metrics.jsonl (written by every run)",
+    "TensorBoard": "trainer.tensorboard",
+    "ReduceLROnPlateau": "a ReduceLROnPlateau scheduler from configure_optimizers with 'monitor'",
+    "LearningRateScheduler": "a schedule in configure_optimizers (and trainer.warmup_epochs)",
+    "BackupAndRestore": "trainer.checkpoint.every_n_steps with --ckpt-path auto",
+    "LearningRateMonitor": "the logged lr",
+    "TQDMProgressBar": "trainer.progress_bar",
+}
+
+
+def _foreign_callback(i: int, callback: Any) -> str:
+    kind = type(callback).__name__
+    instead = _EQUIVALENTS.get(kind)
+    hint = f"use {instead} instead" if instead else "write it as a unifit.Callback subclass (one method per event)"
+    return (f"trainer.callbacks[{i}]: received a {type(callback).__module__}.{kind}, which is not a unifit.Callback; "
+            f"Keras and Lightning callbacks do not run in unifit's loop: {hint}")
 
 
 def _state_keys(callbacks: list[Callback]) -> list[tuple[str, Callback]]:

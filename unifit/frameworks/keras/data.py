@@ -13,8 +13,11 @@ from unifit.errors import ConfigError
 def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
     """(x, y) arrays; a finite, unbatched tf.data.Dataset of (x, y) is read into arrays once."""
     if isinstance(data, tf.data.Dataset):
-        xs, ys = zip(*data.as_numpy_iterator())
-        data = (np.stack(xs), np.stack(ys))
+        data = tuple(np.stack(column) for column in zip(*data.as_numpy_iterator()))
+    if isinstance(data, (tuple, list)) and len(data) > 2:
+        raise ConfigError(f"{what}: received {len(data)} arrays (x, y, sample weights?); unifit's Keras engine reads "
+                          "(x, y) only and would ignore the rest: sample weights are not supported yet — drop them, "
+                          "or weight the per-example losses in loss()")
     if isinstance(data, (tuple, list)) and len(data) >= 2:
         result = tuple(np.asarray(a) for a in data)
         result = tuple(a.astype(np.float32) if a.dtype == np.float64 else a for a in result)
