@@ -52,33 +52,41 @@ def test_key_on_some_ranks_only_is_an_error():
         _agreed_keys([["loss", "x"], ["loss"], []])
 
 
-@pytest.mark.timeout(300)
-def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
-    """torchmetrics AUROC and F1 (not means) logged as objects: 37 validation samples over 2 ranks give
-    the one-process value, in fit under ddp and in validate under horovod and single."""
+def _fit_then_validate(tmp_path, module: str, fit_with: str, validate_with: list[tuple[str, str, list[str]]]):
+    """Fit one epoch with `fit_with` (2 processes), then validate its last checkpoint with each strategy:
+    the fit's final metrics and each validation's, by where they came from."""
     import json
-
-    import torch
-    from sklearn.metrics import f1_score, roc_auc_score
 
     from tests.helpers import assert_ok, run_unifit
 
     experiment = tmp_path / "exp.yaml"
     experiment.write_text(f"""
-module: {{class_path: tests.probe.metrics_probe.MetricsProbe}}
+module: {{class_path: {module}}}
 trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_bar: false}}
 """)
-    assert_ok(run_unifit("launch", "--nproc-per-node", "2", "-c", str(experiment), "--trainer.strategy", "ddp"))
-    fitted = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    values = {}
-    for strategy, procs in (("single", "1"), ("horovod", "2")):
+    assert_ok(run_unifit("launch", "--nproc-per-node", "2", "-c", str(experiment), "--trainer.strategy", fit_with))
+    found = {f"fit under {fit_with}": json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])}
+    for strategy, procs, options in validate_with:
         assert_ok(run_unifit("launch", "--nproc-per-node", procs, "-c", str(experiment), "--trainer.strategy", strategy,
-                             "--run", "validate", "--ckpt-path", "last"))
-        values[strategy] = json.loads((tmp_path / "run" / "validate.json").read_text())["metrics"]
+                             *options, "--run", "validate", "--ckpt-path", "last"))
+        found[strategy] = json.loads((tmp_path / "run" / "validate.json").read_text())["metrics"]
+    return found
 
-    # the reference: the checkpoint's predictions on all 37 samples, scored at once
+
+@pytest.mark.timeout(300)
+def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
+    """torchmetrics AUROC and F1 (not means) logged as objects: 37 validation samples over 2 ranks give
+    the value over all of them, in fit under ddp and in validate under horovod and single."""
+    import json
+
+    import torch
+    from sklearn.metrics import f1_score, roc_auc_score
+
     from tests.probe.metrics_probe import MetricsProbe, _data
 
+    found = _fit_then_validate(tmp_path, "tests.probe.metrics_probe.MetricsProbe", "ddp",
+                               [("single", "1", []), ("horovod", "2", [])])
+    # the reference: the checkpoint's predictions on all 37 samples, scored at once
     module = MetricsProbe()
     last = json.loads((tmp_path / "run" / "checkpoints" / "last.json").read_text())["name"]
     state = torch.load(tmp_path / "run" / "checkpoints" / last / "state.pt", weights_only=False)
@@ -87,7 +95,7 @@ trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_
     with torch.no_grad():
         probs = torch.sigmoid(module.net(x).squeeze(1)).numpy()
     expected = {"val/auroc": roc_auc_score(y.numpy(), probs), "val/f1": f1_score(y.numpy(), probs > 0.5)}
-    for where, metrics in {"fit under ddp": fitted, **values}.items():
+    for where, metrics in found.items():
         for name, value in expected.items():
             assert metrics[name] == pytest.approx(value, abs=1e-6), (where, name)
 
@@ -96,25 +104,11 @@ trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_
 def test_keras_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
     """keras.metrics AUC and Precision from KerasModule.stateful_metrics(): 37 validation samples over 2
     workers (mwms fit, horovod validate) or 2 replicas (mirrored) give the one-process value."""
-    import json
-
-    from tests.helpers import assert_ok, run_unifit
-
-    experiment = tmp_path / "exp.yaml"
-    experiment.write_text(f"""
-module: {{class_path: tests.probe.keras_metrics_probe.KerasMetricsProbe}}
-trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_bar: false}}
-""")
-    assert_ok(run_unifit("launch", "--nproc-per-node", "2", "-c", str(experiment), "--trainer.strategy", "mwms"))
-    fitted = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    values = {}
-    for strategy, procs, options in (("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]),
-                                     ("horovod", "2", [])):
-        assert_ok(run_unifit("launch", "--nproc-per-node", procs, "-c", str(experiment), "--trainer.strategy", strategy,
-                             *options, "--run", "validate", "--ckpt-path", "last"))
-        values[strategy] = json.loads((tmp_path / "run" / "validate.json").read_text())["metrics"]
-    reference = values.pop("single")  # one process, all 37 samples at once
+    found = _fit_then_validate(tmp_path, "tests.probe.keras_metrics_probe.KerasMetricsProbe", "mwms",
+                               [("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]),
+                                ("horovod", "2", [])])
+    reference = found.pop("single")  # one process, all 37 samples at once
     assert 0.5 < reference["val/auc"] < 1.0 and 0.0 < reference["val/precision"] <= 1.0
-    for where, metrics in {"fit under mwms": fitted, **values}.items():
+    for where, metrics in found.items():
         for name in ("val/auc", "val/precision"):
             assert metrics[name] == pytest.approx(reference[name], abs=1e-6), (where, name)

@@ -7,6 +7,7 @@ from typing import Callable, Any, Iterable
 
 import numpy as np
 
+from unifit.errors import ConfigError
 from unifit.strategies.base import Strategy
 from unifit.trainer.config import TrainerConfig
 from unifit.frameworks.metrics import MetricCollector
@@ -34,6 +35,18 @@ class Engine(ABC):
         if hasattr(data, "for_rank"):
             return data.for_rank(self.strategy.rank, self.strategy.world_size), True
         return data, False
+
+    def _stage_data(self, stage: str, source: str) -> tuple[Any, bool]:
+        """(data, already sharded) for validate/test/predict, from the provider's `source` method."""
+        data = getattr(self.data, source)()
+        if data is None:
+            raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
+                              f"define {source}()")
+        data, presharded = self._rank_data(data)
+        if presharded and stage == "predict":
+            raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
+                              "give one dataset (every rank takes its part of it)")
+        return data, presharded
 
     @abstractmethod
     def setup(self) -> None:

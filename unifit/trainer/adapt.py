@@ -21,6 +21,21 @@ _ACCEPTED = ("a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subcl
              "LightningModule, or a compiled keras.Model")
 
 
+def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:
+    """(module, strategy, engine) for what the user passed: the module made trainable, checked against
+    the strategy's frameworks, the strategy created (not yet set up) and the module's engine on it."""
+    from unifit._imports import load_object
+    from unifit.strategies import environment, registry
+
+    given, (module, data) = module, trainable(module, data)
+    registry.check_framework(config.strategy, module.framework, type(given).__name__)
+    strategy = registry.create(
+        config.strategy, environment.detect(), framework=module.framework, accelerator=config.accelerator,
+        collective_timeout_s=config.collective_timeout_s, options=config.strategy_options)
+    engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, config)
+    return module, strategy, engine
+
+
 def trainable(module: Any, data: Any = None) -> tuple[ModuleBase, Any]:
     """(module, data) as the engines take them."""
     if isinstance(module, ModuleBase):

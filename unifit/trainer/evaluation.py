@@ -15,10 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from unifit._imports import load_object
 from unifit.errors import ConfigError
-from unifit.strategies import environment, registry
-from unifit.trainer.adapt import trainable
+from unifit.trainer.adapt import set_up
 from unifit.trainer.checkpoint_reading import read_committed
 from unifit.trainer.checkpoint_store import CheckpointStore
 from unifit.trainer.config import TrainerConfig
@@ -42,12 +40,7 @@ def evaluate(config: TrainerConfig, stage: str, module: Any, data: Any = None,
              ckpt_path: str | None = None) -> Evaluation:
     if stage not in STAGES:
         raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
-    given, (module, data) = module, trainable(module, data)
-    registry.check_framework(config.strategy, module.framework, type(given).__name__)
-    strategy = registry.create(
-        config.strategy, environment.detect(), framework=module.framework, accelerator=config.accelerator,
-        collective_timeout_s=config.collective_timeout_s, options=config.strategy_options)
-    engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, config)
+    module, strategy, engine = set_up(config, module, data)
     result = Evaluation(stage)
     try:
         strategy.setup()

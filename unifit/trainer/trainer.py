@@ -13,12 +13,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from unifit._imports import load_object
 from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError, UnifitError
 from unifit.storage import check_writable
-from unifit.strategies import environment, registry
-from unifit.trainer.adapt import trainable
+from unifit.strategies import registry
+from unifit.trainer.adapt import set_up
 from unifit.trainer.checkpoint_reading import read_committed
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
 from unifit.trainer.committer import Committer
@@ -73,12 +72,7 @@ class Trainer:
         """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
         ('last', 'best', a checkpoint name or directory). Returns the final TrainState."""
         cfg = self.config
-        given, (module, data) = module, trainable(module, data)
-        registry.check_framework(cfg.strategy, module.framework, type(given).__name__)
-        strategy = registry.create(
-            cfg.strategy, environment.detect(), framework=module.framework, accelerator=cfg.accelerator,
-            collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
-        engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, cfg)
+        given, (module, strategy, engine) = module, set_up(cfg, module, data)
         store = CheckpointStore(cfg.checkpoint_dir, cfg.storage_options)
         self.state = state = TrainState()
         dispatch: Dispatcher | None = None

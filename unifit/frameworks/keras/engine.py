@@ -35,7 +35,7 @@ from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
-from unifit.frameworks.keras.evaluation import KerasEvaluation  # noqa: E402
+from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.keras.stateful import KerasMetricValue  # noqa: E402
@@ -301,17 +301,10 @@ class KerasEngine(KerasEvaluation, Engine):
         return {"optimizer_steps": self.optimizer_steps, "precision": self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        folder = tempfile.mkdtemp(prefix="unifit-tf-restore-")
-        try:
-            for name, data in state["tf_files"].items():
-                with open(os.path.join(folder, name), "wb") as f:
-                    f.write(data)
-            with self.strategy.collective_guard("checkpoint restore"):
-                self._checkpoint().read(os.path.join(folder, "ckpt")).assert_consumed()
-            self._steps = int(state["optimizer_steps"])
-            self.precision.load_state_dict(state.get("precision", {}))  # the float16 loss scale
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        with self.strategy.collective_guard("checkpoint restore"):
+            read_tf_files(state["tf_files"], self._checkpoint()).assert_consumed()
+        self._steps = int(state["optimizer_steps"])
+        self.precision.load_state_dict(state.get("precision", {}))  # the float16 loss scale
 
     def _checkpoint(self) -> Any:
         return tf.train.Checkpoint(model=self.module.model, optimizer=self.optimizer)

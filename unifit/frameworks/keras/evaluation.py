@@ -38,14 +38,7 @@ class KerasEvaluation:
         self._set_up_replicas()
         source, step, prefix = _STAGES[stage]
         self._prefix = prefix
-        data = getattr(self.data, source)()
-        if data is None:
-            raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
-                              f"define {source}()")
-        data, presharded = self._rank_data(data)
-        if presharded and stage == "predict":
-            raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
-                              "give one dataset (every rank takes its part of it)")
+        data, presharded = self._stage_data(stage, source)
         self.eval_arrays = _inputs(data, f"{source}()") if stage == "predict" else arrays(data, f"{source}()")
         rank, world = (0, 1) if presharded else (strategy.rank, strategy.world_size)
         self._eval_indices = np.arange(rank, len(self.eval_arrays[0]), world)
@@ -72,15 +65,9 @@ class KerasEvaluation:
         return step
 
     def load_weights(self, state: dict[str, Any]) -> None:
-        folder = tempfile.mkdtemp(prefix="unifit-tf-restore-")
-        try:
-            for name, data in state["tf_files"].items():
-                with open(os.path.join(folder, name), "wb") as f:
-                    f.write(data)
-            with self.strategy.collective_guard("checkpoint restore"):
-                tf.train.Checkpoint(model=self.module.model).read(os.path.join(folder, "ckpt")).expect_partial()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        """The model's variables only (the optimizer's, in the files too, are not needed)."""
+        with self.strategy.collective_guard("checkpoint restore"):
+            read_tf_files(state["tf_files"], tf.train.Checkpoint(model=self.module.model)).expect_partial()
 
     def eval_batches(self) -> Iterator[Any]:
         iterator = iter(self._dataset(self.eval_arrays, self._eval_indices, self._eval_sizes))
@@ -105,6 +92,18 @@ class KerasEvaluation:
 
     def collate(self, samples: list[Any]) -> Any:
         return np.stack(samples) if samples else np.empty((0,))
+
+
+def read_tf_files(files: dict[str, bytes], checkpoint: Any) -> Any:
+    """Restore `checkpoint` from a checkpoint's tf/ files (name -> bytes); returns the read status."""
+    folder = tempfile.mkdtemp(prefix="unifit-tf-restore-")
+    try:
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        return checkpoint.read(os.path.join(folder, "ckpt"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _inputs(data: Any, what: str) -> tuple[np.ndarray, ...]:

@@ -38,14 +38,7 @@ class TorchEvaluation:
         self.module.to(self.device)
         source, step = _STAGES[stage]
         self._eval_step = getattr(self.module, step)
-        dataset = getattr(self.data, source)()
-        if dataset is None:
-            raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
-                              f"define {source}()")
-        dataset, presharded = self._rank_data(dataset)
-        if presharded and stage == "predict":
-            raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
-                              "give one dataset (every rank takes its part of it)")
+        dataset, presharded = self._stage_data(stage, source)
         world, rank = (1, 0) if presharded else (strategy.world_size, strategy.rank)
         if iterable.is_stream(dataset):
             if stage == "predict":
