@@ -19,6 +19,15 @@ case "$profile" in
   *) echo "setup.sh: unknown profile '$profile'; use 'main' or 'test'" >&2; exit 2 ;;
 esac
 
+# System tools the tests drive for real: tmux (a terminal for the progress bar), sshd (horovodrun
+# reaching a second simulated host). Installed when missing and this is root with apt; else those tests
+# skip with the command to run.
+missing_tools() { ! command -v tmux >/dev/null || { ! command -v sshd >/dev/null && [ ! -x /usr/sbin/sshd ]; }; }
+if [ "$profile" = test ] && missing_tools && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux openssh-server >/dev/null 2>&1 \
+   || { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux openssh-server >/dev/null 2>&1; }) \
+   || echo "setup.sh: could not install tmux/openssh-server with apt; the tests that need them will skip" >&2
+fi
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 stamp="$venv/.unifit-$profile-$(cat "$repo/pyproject.toml" "$0" "$repo/scripts/build_horovod.sh" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then

@@ -64,9 +64,10 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         # barriers get their own gloo group, so they never pair up with another rank's training collectives;
         # a backend that allows no second group (smddp) uses its own barrier
         side_groups = self._allows_side_groups(dist.get_backend())
-        self._barrier_group = dist.new_group(backend="gloo") if side_groups else None
+        side_timeout = datetime.timedelta(seconds=2 * self.collective_timeout_s)  # a lost host fails, not 30 min
+        self._barrier_group = dist.new_group(backend="gloo", timeout=side_timeout) if side_groups else None
         if side_groups and dist.get_backend() != "gloo":
-            self._host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))
+            self._host_group = dist.new_group(backend="gloo", timeout=side_timeout)
 
     def _allows_side_groups(self, backend: str) -> bool:
         return backend != "smddp"
