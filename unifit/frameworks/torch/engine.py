@@ -81,17 +81,9 @@ class TorchEngine(TorchEvaluation, Engine):
         self.val_loader = None
         if val is not None and cfg.limit_val_batches != 0:
             shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
-            if iterable.is_stream(val):
-                self.val_loader = iterable.stream_loader(
-                    val, "val_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
-                    train=False, limit=None, num_workers=cfg.num_workers, pin_memory=pin)
-            elif user_loaders.is_loader(val):
-                self.val_loader = user_loaders.val_loader_from(
-                    val, "val_dataloader()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1])
-            else:
-                self.val_loader = tdata.val_loader(
-                    tdata.as_dataset(val, "val_dataset()"), batch_size=cfg.batch_size,
-                    world_size=shards[0], rank=shards[1], num_workers=cfg.num_workers, pin_memory=pin)
+            self.val_loader = user_loaders.evaluation_loader(
+                val, "val_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
+                num_workers=cfg.num_workers, pin_memory=pin)
 
         self.accumulate = cfg.accumulate_grad_batches
         steps_per_epoch = math.ceil(self._batches / self.accumulate)

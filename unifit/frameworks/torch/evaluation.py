@@ -40,20 +40,12 @@ class TorchEvaluation:
         self._eval_step = getattr(self.module, step)
         dataset, presharded = self._stage_data(stage, source)
         world, rank = (1, 0) if presharded else (strategy.world_size, strategy.rank)
-        if iterable.is_stream(dataset):
-            if stage == "predict":
-                raise ConfigError(f"{source}(): an IterableDataset has no indices to put predictions in order by; "
-                                  "give a map-style Dataset (with __len__ and __getitem__)")
-            self.eval_loader = iterable.stream_loader(dataset, f"{source}()", batch_size=cfg.batch_size,
-                                                      world_size=world, rank=rank, train=False, limit=None,
-                                                      num_workers=cfg.num_workers, pin_memory=False)
-        elif user_loaders.is_loader(dataset):
-            self.eval_loader = user_loaders.val_loader_from(dataset, f"{source}()", batch_size=cfg.batch_size,
-                                                            world_size=world, rank=rank)
-        else:
-            self.eval_loader = tdata.val_loader(tdata.as_dataset(dataset, f"{source}()"), batch_size=cfg.batch_size,
-                                                world_size=world, rank=rank, num_workers=cfg.num_workers,
-                                                pin_memory=self.device.type == "cuda")
+        if stage == "predict" and iterable.is_stream(dataset):
+            raise ConfigError(f"{source}(): an IterableDataset has no indices to put predictions in order by; "
+                              "give a map-style Dataset (with __len__ and __getitem__)")
+        self.eval_loader = user_loaders.evaluation_loader(
+            dataset, f"{source}()", batch_size=cfg.batch_size, world_size=world, rank=rank,
+            num_workers=cfg.num_workers, pin_memory=self.device.type == "cuda")
         self._limit = cfg.limit_val_batches if stage == "validate" else None
         self._same_weights_everywhere()
 

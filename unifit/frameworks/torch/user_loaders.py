@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from unifit.errors import ConfigError
-from unifit.frameworks.torch.data import ResumableSampler, ShardSampler
+from unifit.frameworks.torch import iterable
+from unifit.frameworks.torch.data import ResumableSampler, ShardSampler, as_dataset, val_loader
 
 
 def is_loader(data: Any) -> bool:
@@ -35,6 +36,19 @@ def train_loader_from(loader: DataLoader, what: str, *, batch_size: int, world_s
 def val_loader_from(loader: DataLoader, what: str, *, batch_size: int, world_size: int, rank: int) -> DataLoader:
     _check(loader, what, batch_size)
     return _rebuilt(loader, ShardSampler(len(loader.dataset), world_size, rank), drop_last=False)
+
+
+def evaluation_loader(data: Any, what: str, *, batch_size: int, world_size: int, rank: int, num_workers: int,
+                      pin_memory: bool) -> DataLoader:
+    """This rank's disjoint part of validation, test or predict data, whatever form it came in: a
+    stream, the user's DataLoader, or a dataset / arrays for unifit's own loader."""
+    if iterable.is_stream(data):
+        return iterable.stream_loader(data, what, batch_size=batch_size, world_size=world_size, rank=rank,
+                                      train=False, limit=None, num_workers=num_workers, pin_memory=pin_memory)
+    if is_loader(data):
+        return val_loader_from(data, what, batch_size=batch_size, world_size=world_size, rank=rank)
+    return val_loader(as_dataset(data, what), batch_size=batch_size, world_size=world_size, rank=rank,
+                      num_workers=num_workers, pin_memory=pin_memory)
 
 
 def _check(loader: DataLoader, what: str, batch_size: int) -> bool:
