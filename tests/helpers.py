@@ -17,7 +17,7 @@ PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
 # hierarchical allreduce is really exercised.
 # Keys are test variants: a strategy name, or "<strategy>-keras" for a strategy that trains both
 # frameworks, run there with the Keras probe.
-STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4, "mirrored": 1, "mwms": 2, "horovod": 2, "horovod-keras": 2}
+STRATEGY_PROCS = {"single": 1, "ddp": 2, "smddp-like": 4, "fsdp": 2, "mirrored": 1, "mwms": 2, "horovod": 2, "horovod-keras": 2}
 STRATEGY_REPLICAS = {**STRATEGY_PROCS, "mirrored": 2}  # mirrored: 2 logical CPU devices in one process
 STRATEGY_OPTIONS = {"smddp-like": ["--trainer.strategy_options", "{local_world_size: 2}"],
                     "mirrored": ["--trainer.strategy_options", "{devices: 2}"]}

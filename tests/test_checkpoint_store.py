@@ -134,10 +134,10 @@ def test_save_is_written_in_the_background_from_a_snapshot(tmp_path, monkeypatch
     waited: list[bool] = []
     real_save = CheckpointStore.save
 
-    def held_save(self, name, write, meta):
+    def held_save(self, name, write, meta, directory=None):
         if meta["global_step"] == 2:
             waited.append(step3.wait(timeout=30))  # a save on the training thread would time out here
-        return real_save(self, name, write, meta)
+        return real_save(self, name, write, meta, directory)
 
     monkeypatch.setattr(CheckpointStore, "save", held_save)
     recorder = _Weights({3: step3})
@@ -154,10 +154,10 @@ def test_save_is_written_in_the_background_from_a_snapshot(tmp_path, monkeypatch
 def test_background_write_failure_stops_training_at_the_next_save(tmp_path, monkeypatch):
     real_save = CheckpointStore.save
 
-    def failing_save(self, name, write, meta):
+    def failing_save(self, name, write, meta, directory=None):
         if meta["global_step"] == 2:
             raise OSError("disk full")
-        return real_save(self, name, write, meta)
+        return real_save(self, name, write, meta, directory)
 
     monkeypatch.setattr(CheckpointStore, "save", failing_save)
     recorder = _Weights()

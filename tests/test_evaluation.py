@@ -20,7 +20,7 @@ def _metrics(result, run, stage: str) -> dict[str, float]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("trained_by, strategies", [("ddp", ["single", "ddp", "horovod"]),
+@pytest.mark.parametrize("trained_by, strategies", [("fsdp", ["single", "ddp", "horovod", "fsdp"]),  # sharded ckpt
                                                     ("mwms", ["mirrored", "mwms", "horovod-keras"])])
 def test_checkpoint_evaluated_on_every_strategy_equals_one_process(tmp_path, trained_by, strategies):
     """The first strategy listed runs in one process: the reference the others must equal."""

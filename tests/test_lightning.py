@@ -145,7 +145,7 @@ data:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "horovod"])
+@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "fsdp", "horovod"])
 def test_lightning_module_with_its_hooks_on_every_torch_strategy(tmp_path, strategy):
     reports = _launch_yaml(tmp_path, strategy, """
 module:

@@ -18,7 +18,7 @@ import torch
 
 from tests.helpers import assert_ok, launch_probe, metrics_lines, probe_args, reports, run_unifit, start_unifit, stop
 
-STRATEGIES = ["single", "ddp", "smddp-like", "horovod", "mirrored", "mwms", "horovod-keras"]
+STRATEGIES = ["single", "ddp", "smddp-like", "fsdp", "horovod", "mirrored", "mwms", "horovod-keras"]
 STEPS = ("--trainer.checkpoint.every_n_steps", "2", "--trainer.checkpoint.keep_last_n", "null",
          "--trainer.preemption.check_every_n_steps", "1")
 

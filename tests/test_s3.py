@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_ok, launch_probe, probe_args, run_unifit, start_unifit
+from tests.helpers import REPO, STRATEGY_PROCS, assert_ok, launch_probe, probe_args, run_unifit, start_unifit
 from tests.probe.gates import held, open_gate
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +34,7 @@ def _tb_scalars(fs, url: str, local: Path) -> dict[str, list[tuple[int, float]]]
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("strategy", ["single", "ddp"])
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp"])  # fsdp: every rank writes its shards to S3
 def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_path, strategy):
     fs = s3_endpoint.fs()
     full, part = f"s3://{bucket}/full", f"s3://{bucket}/part"
@@ -51,9 +51,12 @@ def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_
     # checkpoints committed in S3, last pointer at the end; the run resumed from is protected
     fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/part/checkpoints"))
-    steps = 8 // (2 if strategy == "ddp" else 1)
+    steps = 8 // STRATEGY_PROCS[strategy]
     assert names == [f"epoch={e:04d}-step={e * steps:07d}" for e in (2, 3, 4)] + ["last.json"]
     assert all(fs.exists(f"{bucket}/part/checkpoints/{n}/COMMITTED.json") for n in names[:-1])
+    if strategy == "fsdp":
+        shards = fs.ls(f"{bucket}/part/checkpoints/{names[-2]}/shards", detail=False)
+        assert sorted(p.rsplit("/", 1)[-1] for p in shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
     # the resumed loss curve is the uninterrupted one
     a, b = _s3_lines(fs, f"{full}/metrics.jsonl"), _s3_lines(fs, f"{part}/metrics.jsonl")

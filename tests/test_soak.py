@@ -25,7 +25,7 @@ from tests.helpers import (KERAS_STRATEGIES, REPO, STRATEGY_OPTIONS, STRATEGY_PR
 EPOCHS, STEPS_PER_EPOCH, BATCH = 30, 100, 4  # 3,000 optimizer steps on every rank
 WARMUP_EPOCHS = EPOCHS // 4  # thread pools, allocator arenas and TensorFlow's caches fill up here
 STEPS_AFTER_WARMUP = (EPOCHS - WARMUP_EPOCHS) * STEPS_PER_EPOCH
-VARIANTS = ["single", "ddp", "smddp-like", "horovod", "horovod-keras", "mirrored", "mwms"]
+VARIANTS = ["single", "ddp", "smddp-like", "fsdp", "horovod", "horovod-keras", "mirrored", "mwms"]
 
 # Tolerances: the largest value after the warm-up against the warm-up's own (threads, descriptors:
 # the largest count in the warm-up epochs, as validation epochs sample lower; RSS: the value at the

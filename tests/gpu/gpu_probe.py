@@ -65,8 +65,13 @@ class GpuReport(unifit.Callback):
         report = {**ctx.module.facts, "rank": ctx.rank, "world_size": ctx.world_size,
                   "backend": dist.get_backend() if dist.is_initialized() else None,
                   "metrics": ctx.state.metrics, "global_step": ctx.state.global_step,
-                  "weights_sum": float(sum(p.detach().double().sum().item() for p in ctx.module.parameters())),
+                  "weights_sum": float(sum(_whole(p).detach().double().sum().item() for p in ctx.module.parameters())),
                   "max_memory_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
             json.dump(report, f)
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter sharded by fsdp, gathered whole (every rank calls this)."""
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter

@@ -98,7 +98,7 @@ def test_two_processes_on_one_gpu_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("strategy", ["ddp", "smddp-like"])
+@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "fsdp"])
 def test_two_gpus_nccl_identical_weights(tmp_path, strategy):
     result = _run(tmp_path, "--trainer.precision", "bf16-mixed", procs=2, strategy=strategy)
     assert_ok(result)
@@ -106,3 +106,20 @@ def test_two_gpus_nccl_identical_weights(tmp_path, strategy):
     assert {r["param_device"] for r in reports} == {"cuda:0", "cuda:1"}
     assert reports[0]["weights_sum"] == reports[1]["weights_sum"]
     assert reports[0]["metrics"] == reports[1]["metrics"]
+
+
+@pytest.mark.parametrize("precision, offload", [("32-true", False), ("bf16-mixed", False), ("bf16-mixed", True)])
+def test_fsdp_nccl_trains_and_resumes_on_gpu(tmp_path, precision, offload):
+    """fsdp under torchrun with one process: NCCL, FSDP2's bf16 parameters with float32 reduction, CPU
+    offload of the sharded state, DCP checkpoints written from the GPU and resumed."""
+    args = ["--trainer.precision", precision, "--trainer.strategy_options", f"{{cpu_offload: {str(offload).lower()}}}"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert_ok(_run(whole, *args, procs=1, strategy="fsdp"))
+    (report,) = _reports(whole)
+    assert report["backend"] == "nccl"
+    assert report["metrics"]["val/acc"] > 0.5, report["metrics"]
+    assert (whole / "checkpoints" / "epoch=0004-step=0000064" / "shards" / ".metadata").is_file()
+    assert_ok(_run(part, *args, "--trainer.max_epochs", "2", procs=1, strategy="fsdp"))
+    assert_ok(_run(part, *args, procs=1, strategy="fsdp", ckpt="last"))
+    losses = [[m["train/loss"] for m in metrics_lines(root) if "train/loss" in m] for root in (whole, part)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3, abs=1e-4)

@@ -91,7 +91,8 @@ class LightningReport(unifit.Callback):
 
     def on_fit_end(self, ctx) -> None:
         state = ctx.module.state_dict()
-        flat = torch.cat([v.detach().reshape(-1).double() for v in state.values()])
+        whole = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in state.values()]  # fsdp: gathered
+        flat = torch.cat([v.detach().reshape(-1).double() for v in whole])
         lm = ctx.module.lightning
         report = {"rank": ctx.rank, "keys": sorted(state), "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
                   "metrics": ctx.state.metrics, "calls": getattr(lm, "calls", []),

@@ -46,10 +46,10 @@ class Stream(torch.utils.data.IterableDataset):
 class ProbeModule(unifit.TrainModule):
     def __init__(self, n_train: int = 64, n_val: int = 37, lr: float = 0.05, dropout: float = 0.2,
                  nan_at_step: int | None = None, nan_rank: int | None = None,
-                 log_rank_only: str | None = None, save_on_rank_zero_only: bool = False) -> None:
+                 log_rank_only: str | None = None, save_on_rank_zero_only: bool = False, hidden: int = 16) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout),
-                                       torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(hidden, 1))
         self.n_train, self.n_val, self.lr = n_train, n_val, lr
         self.nan_at_step, self.nan_rank = nan_at_step, nan_rank
         self.log_rank_only = log_rank_only
@@ -98,10 +98,11 @@ class ProbeModule(unifit.TrainModule):
         return torch.stack([idx.double(), self.net(x).squeeze(1).double()], dim=1)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        self.optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return self.optimizer
 
     def weights(self) -> list[np.ndarray]:
-        return [p.detach().double().numpy().ravel() for p in self.parameters()]
+        return [_whole(p).detach().double().numpy().ravel() for p in self.parameters()]
 
     def replicas_identical(self) -> bool:
         return True  # one replica per process
@@ -110,6 +111,11 @@ class ProbeModule(unifit.TrainModule):
         return self._unifit_epoch
 
     _unifit_epoch = 0
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter sharded over the ranks (fsdp), gathered whole: every rank calls this."""
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
 
 
 class ProbeReport(unifit.Callback):
@@ -137,6 +143,39 @@ class ProbeReport(unifit.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
             json.dump(report, f)
+
+
+class ShardReport(unifit.Callback):
+    """Writes shards_<rank>.json: how many parameter and optimizer-state elements this rank holds
+    (its shards under fsdp) against the whole model's, and the whole weights' digest as fit starts
+    (after a resume) and ends."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.report: dict = {}
+
+    def on_fit_start(self, ctx) -> None:
+        self.report["start_sha256"] = _digest(ctx.module)
+
+    def on_fit_end(self, ctx) -> None:
+        params = list(ctx.module.parameters())
+        momenta = [s["momentum_buffer"] for s in ctx.module.optimizer.state.values()]
+        self.report.update(
+            rank=ctx.rank, end_sha256=_digest(ctx.module), lr=ctx.module.optimizer.param_groups[0]["lr"],
+            params_local=sum(_local(p).numel() for p in params), params_total=sum(p.numel() for p in params),
+            optimizer_local=sum(_local(m).numel() for m in momenta), optimizer_total=sum(m.numel() for m in momenta))
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"shards_{ctx.rank}.json"), "w") as f:
+            json.dump(self.report, f)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _digest(module) -> str:
+    flat = np.concatenate([w.ravel() for w in module.weights()])
+    return hashlib.sha256(flat.tobytes()).hexdigest()
 
 
 class SaveOnRankZeroOnly(unifit.Callback):

@@ -48,16 +48,18 @@ class RunDirectory(Callback):
 
 
 class ModelExport(Callback):
-    """Rank 0 writes the final model to `export_dir` (e.g. SageMaker's model dir) when fit ends."""
+    """Rank 0 writes the final model to `export_dir` (e.g. SageMaker's model dir) when fit ends:
+    whole, for inference in one process. Every rank takes part, since a sharded model is gathered."""
 
     runs_last = True
-
-    rank_zero_only = True
 
     def __init__(self, export_dir: str, storage_options: dict[str, Any] | None = None) -> None:
         self.fs, self.root = filesystem(export_dir, storage_options)
 
     def on_fit_end(self, ctx: Any) -> None:
+        files = ctx.model_files()
+        if not ctx.is_global_zero:
+            return
         self.fs.makedirs(self.root, exist_ok=True)
-        for name, data in ctx.model_files().items():
+        for name, data in files.items():
             self.fs.pipe_file(f"{self.root}/{name}", data)

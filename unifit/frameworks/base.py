@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Callable, Any, Iterable
 
 import numpy as np
@@ -120,6 +121,11 @@ class Engine(ABC):
 
     @abstractmethod
     def seed(self, seed: int) -> None: ...
+
+    def start_sharded_write(self, payload: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
+        """Under a sharded strategy every rank starts writing its shards of `payload` to `url` now (in
+        the background: the Future) and the rest is left for `checkpoint_files`; by default nothing is sharded."""
+        return payload, None
 
     @abstractmethod
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:

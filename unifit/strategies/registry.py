@@ -46,6 +46,9 @@ register(StrategyEntry(
     frozenset({"torch"}), "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)"))
 
 register(StrategyEntry(
+    "fsdp", "unifit.strategies.fsdp:FSDPStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
+    frozenset({"torch"}), "PyTorch FSDP2: parameters, gradients and optimizer state sharded over the ranks"))
+register(StrategyEntry(
     "horovod", "unifit.strategies.horovod.strategy:HorovodStrategy",
     "unifit.strategies.launchers.horovodrun:HorovodrunLauncher",
     frozenset({"torch", "tensorflow"}), "Horovod ring-allreduce, launched by horovodrun"))

@@ -5,13 +5,17 @@ the shape of the step (forward, accumulation, warmup), the strategy owns what di
 distribution methods (wrapping the model and optimizer, skipping gradient sync on accumulation
 micro-batches, having averaged gradients before clipping), and the precision object it is given
 owns autocast and loss scaling. The defaults are one process's; DDP and Horovod override the
-parts that differ, and a sharded strategy (FSDP) would override `clip_gradients` too.
+parts that differ, and a sharded strategy (fsdp.py) also overrides `clip_gradients` and the state
+IO at the end: what a checkpoint holds of the model and optimizer, and who writes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from typing import Any, ContextManager, Iterable
+
+from unifit.strategies import sharded_state
 
 _PLAIN = contextlib.nullcontext()
 
@@ -20,6 +24,9 @@ class TorchTraining:
     """Mixed into a Strategy that trains PyTorch modules."""
 
     precision: Any = None  # unifit.frameworks.torch.precision.Precision, set by setup_module_and_optimizer
+    # a sharded model gathers its parameters in its root wrapper's forward: every step (validation
+    # too) must go through it, not straight to the module's method
+    routes_all_steps = False
 
     def setup_module_and_optimizer(self, step_module: Any, optimizer: Any, device: Any, precision: Any,
                                    accumulate: int) -> tuple[Any, Any]:
@@ -64,3 +71,32 @@ class TorchTraining:
                 self.clip_gradients(module.parameters(), clip_val)
             precision.step(optimizer)
         optimizer.zero_grad()  # set_to_none (torch >= 2 default); wrappers like Horovod take no argument
+
+    # ---- state IO ------------------------------------------------------------------------
+    def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
+        """The model's and optimizer's state for a checkpoint (this rank's shards, where sharded)."""
+        return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def start_sharded_write(self, state: dict[str, Any], url: str,
+                            storage_options: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:
+        """(what rank 0 writes in state.pt, this rank's write of its shards to `url`, already started).
+        Unsharded state is all rank 0's to write: nothing to start."""
+        return state, None
+
+    def load_training_state(self, module: Any, optimizer: Any, state: dict[str, Any],
+                            storage_options: dict[str, Any]) -> None:
+        """Load a checkpoint's model (and optimizer, unless None) state. One written by a sharded
+        strategy is read whole on this process, so its checkpoints resume here too."""
+        if sharded_state.SHARDS in state:
+            whole = sharded_state.read_whole(state[sharded_state.SHARDS], storage_options)
+            module.load_state_dict(whole["model"])
+            if optimizer is not None:
+                optimizer.load_state_dict(sharded_state.by_index(whole["optimizer"], optimizer, module))
+            return
+        module.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+
+    def full_model_state(self, module: Any) -> dict[str, Any]:
+        """The whole model's weights, on rank 0 (called on every rank: gathering shards is collective)."""
+        return module.state_dict()

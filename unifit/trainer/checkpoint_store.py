@@ -38,29 +38,47 @@ class CheckpointStore:
     def path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
-    # ---- writing (rank 0 only) -----------------------------------------------------------
-    def save(self, name: str, write: Callable[[Any, str], None], meta: dict[str, Any]) -> str:
+    # ---- writing (rank 0 only, but for a sharded checkpoint's shards) ------------------------
+    def write_dir(self, name: str, token: str) -> str:
+        """Where checkpoint `name` is written before its commit, the same on every rank given the same
+        `token`: a staging directory on a local disk (renamed into place), its own place on an object
+        store (where the marker commits it)."""
+        return self.path(f".tmp-{name}-{token}") if self._renames else self.path(name)
+
+    def clear(self, name: str) -> None:
+        """Before writing `name` anew on an object store: its old files go (a local disk replaces it by rename)."""
+        final = self.path(name)
+        if not self._renames and self.fs.exists(final):
+            self.fs.rm(final, recursive=True)
+
+    def save(self, name: str, write: Callable[[Any, str], None], meta: dict[str, Any],
+             directory: str | None = None) -> str:
         """Write one checkpoint with `write(fs, directory)` and commit it; returns its path. The
-        trainer calls it on the committer's writer thread, with bytes already snapshotted."""
+        trainer calls it on the committer's writer thread, with bytes already snapshotted; where a
+        sharded strategy's ranks wrote their shards in `directory` (write_dir) already, they are
+        committed with it."""
         final = self.path(name)
         self.fs.makedirs(self.root, exist_ok=True)
-        if self._renames:
-            staging = self.path(f".tmp-{name}-{uuid.uuid4().hex[:8]}")
-            self.fs.makedirs(staging, exist_ok=True)
-            try:
-                write(self.fs, staging)
-                self._write_json(f"{staging}/{MARKER}", meta)
-                self._replace_dir(staging, final)
-            except BaseException:
-                self.fs.rm(staging, recursive=True)
-                raise
-        else:
-            if self.fs.exists(final):
-                self.fs.rm(final, recursive=True)
-            write(self.fs, final)
-            self._write_json(f"{final}/{MARKER}", meta)  # the commit: written last
+        if directory is None:
+            self.clear(name)
+            directory = self.write_dir(name, uuid.uuid4().hex[:8])
+        try:
+            if self._renames:
+                self.fs.makedirs(directory, exist_ok=True)
+            write(self.fs, directory)
+            self._write_json(f"{directory}/{MARKER}", meta)  # on object stores, the commit: written last
+            if self._renames:
+                self._replace_dir(directory, final)
+        except BaseException:
+            self.abandon(directory)
+            raise
         self._write_json(self.path("last.json"), {"name": name, **meta})
         return final
+
+    def abandon(self, directory: str) -> None:
+        """Remove a checkpoint that failed before its commit (its marker was never written)."""
+        if self.fs.exists(directory):
+            self.fs.rm(directory, recursive=True)
 
     def _replace_dir(self, staging: str, final: str) -> None:
         old = None

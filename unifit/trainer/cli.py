@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--ckpt-path", default=None, help="as for fit; with --max-restarts the default is 'auto'")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="restart every rank this many times after one fails, resuming from the last committed "
-                             "checkpoint (torchrun's elastic agent: ddp, smddp-like)")
+                             "checkpoint (torchrun's elastic agent: ddp, smddp-like, fsdp)")
     board = sub.add_parser("tensorboard", help="serve TensorBoard for logs on S3 or any fsspec URL (kept mirrored locally)")
     board.add_argument("url", help="e.g. s3://bucket/run/tensorboard")
     board.add_argument("--host", default="127.0.0.1")

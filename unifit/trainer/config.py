@@ -76,7 +76,7 @@ class NanGuardConfig(_Strict):
 class TrainerConfig(_Strict):
     """Everything the Trainer does; `Trainer(**fields)` takes the same names."""
 
-    strategy: str = Field("single", description="Distribution strategy: a registered name (single, ddp, smddp-like, horovod, mirrored, mwms) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.")
+    strategy: str = Field("single", description="Distribution strategy: a registered name (single, ddp, smddp-like, fsdp, horovod, mirrored, mwms) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.")
     strategy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen strategy, validated by that strategy (see its docs page).")
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto uses GPUs when present (one per process, by local rank), else CPU.")
     max_epochs: PositiveInt = Field(10, description="Number of epochs to train.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -143,32 +144,43 @@ class Trainer:
             raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
         engine, strategy, store, state = run.engine, run.strategy, run.store, self.state
         strategy.barrier("save_checkpoint")
+        run.committer.wait()  # the previous checkpoint is committed before this one may replace it
         mid_epoch = state.progress.batch_in_epoch > 0
-        # per rank: the RNG state, and mid-epoch the epoch's metric sums so far (each rank has its own)
-        ranks = strategy.all_gather_object((engine.rng_state(), engine.collector.state_dict() if mid_epoch else {}))
+        # per rank: the RNG state, and mid-epoch the epoch's metric sums so far (each rank has its own);
+        # rank 0's token names the directory every rank writes in
+        ranks = strategy.all_gather_object((engine.rng_state(), engine.collector.state_dict() if mid_epoch else {},
+                                            uuid.uuid4().hex[:8]))
         name = name or checkpoint_name(state.epoch, state.global_step)
-        path = store.path(name)
+        path, directory = store.path(name), store.write_dir(name, ranks[0][2])
+        if strategy.is_global_zero:
+            store.clear(name)  # before any rank writes its shards there
         run.ctx.last_checkpoint = path  # the same on every rank
         payload = {
             "format": "unifit/1",
             "engine": engine.state_dict(),
             "trainer": state.to_dict(),
-            "rng": [rng for rng, _ in ranks],
-            "collectors": [collector for _, collector in ranks],
+            "rng": [rng for rng, _, _ in ranks],
+            "collectors": [collector for _, collector, _ in ranks],
             "world_size": strategy.world_size,
             "callbacks": {key: cb.state_dict() for key, cb in _state_keys(run.callbacks)},
         }
         meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
+        # a sharded strategy's ranks start writing their shards now (a snapshot, written in the background)
+        payload, shards = engine.start_sharded_write(payload, store.fs.unstrip_protocol(directory))
 
-        def commit(files: dict[str, bytes]) -> None:  # rank 0; in the background on a remote store
+        def commit(files: dict[str, bytes]) -> None:  # rank 0, on the committer's thread
             def write() -> None:
-                store.save(name, lambda fs, d: _write_files(fs, d, files), meta)
+                if shards is not None:
+                    _wait_for_shards(shards, store, directory)  # every rank's, and their index
+                store.save(name, lambda fs, d: _write_files(fs, d, files), meta, directory)
                 if after_commit is not None:
                     after_commit(store, name)
 
             run.committer.submit(write)
 
         strategy.save_checkpoint(lambda writer: engine.checkpoint_files(payload, writer=writer), commit)
+        if shards is not None and not strategy.is_global_zero:
+            run.committer.submit(shards.result)  # its failure is raised at this rank's next save or fit's end
         strategy.barrier("checkpoint_saved")
         return path if strategy.is_global_zero else None
 
@@ -338,6 +350,14 @@ def _progress_of(engine: Any, accumulate: int) -> Progress:
 def _lr_metrics(engine: Any) -> dict[str, float]:
     """The learning rates the next optimizer step uses, one per param group."""
     return {"lr" if i == 0 else f"lr/group{i}": lr for i, lr in enumerate(engine.current_lrs())}
+
+
+def _wait_for_shards(shards: Any, store: CheckpointStore, directory: str) -> None:
+    try:
+        shards.result()
+    except BaseException:
+        store.abandon(directory)
+        raise
 
 
 def _write_files(fs: Any, directory: str, files: dict[str, bytes]) -> None:

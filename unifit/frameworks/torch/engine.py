@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
+import logging
 import math
+from concurrent.futures import Future
 from typing import Any, Iterator
 
 import numpy as np
@@ -19,8 +22,11 @@ from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.strategies.torch_device import torch_device
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import Precision, make_precision
+from unifit.strategies.sharded_state import SHARDS
 from unifit.strategies.torch_training import TorchTraining
 from unifit.frameworks.lr_policy import LRPolicy
+
+log = logging.getLogger("unifit")
 
 # param-group keys and scheduler attributes that hold learning rates, scaled together
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -28,14 +34,15 @@ _LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs")
 
 
 class _StepModule(torch.nn.Module):
-    """Routes training_step through forward(), so DDP's forward hooks see every step."""
+    """Routes training_step through forward(), so DDP's forward hooks see every step (and FSDP's
+    gather the parameters for validation_step too)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self.module = module
 
-    def forward(self, batch: Any, batch_idx: int) -> Any:
-        return self.module.training_step(batch, batch_idx)
+    def forward(self, batch: Any, batch_idx: int, step: str = "training_step") -> Any:
+        return getattr(self.module, step)(batch, batch_idx)
 
 
 class TorchEngine(TorchEvaluation, Engine):
@@ -98,7 +105,10 @@ class TorchEngine(TorchEvaluation, Engine):
             self.scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
         self.optimizer = optimizer
         # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
-        self._forward = self.module.training_step if self.wrapped is step_module else self.wrapped
+        unwrapped = type(self.wrapped) is _StepModule
+        self._forward = self.module.training_step if unwrapped else self.wrapped
+        self._validate = (functools.partial(self.wrapped, step="validation_step") if training.routes_all_steps
+                          else self.module.validation_step)
         if cfg.compile:
             self._forward = _compiled(self._forward)
         # what TorchTraining's default step amounts to in full precision without accumulation or
@@ -222,7 +232,7 @@ class TorchEngine(TorchEvaluation, Engine):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.collector.batch_count = tdata.batch_size_of(batch)
         with torch.no_grad(), self.precision.autocast():
-            self.module.validation_step(batch, batch_idx)
+            self._validate(batch, batch_idx)
 
     # ---- numbers ------------------------------------------------------------------------
     def to_numpy(self, values: list[Any]) -> np.ndarray:
@@ -250,22 +260,26 @@ class TorchEngine(TorchEvaluation, Engine):
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.training.training_state(self.module, self.optimizer),  # model and optimizer (shards, where sharded)
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "optimizer_steps": self._steps,
             "epochs_done": self._epochs_done,
             "precision": self.precision.state_dict(),
+            "lr_factor": self.policy.factor,  # the world size's lr scaling the saved lrs include
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.training.load_training_state(self.module, self.optimizer, state, self.config.storage_options)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self._steps = int(state["optimizer_steps"])
         self._epochs_done = int(state.get("epochs_done", 0))
         self.precision.load_state_dict(state.get("precision", {}))
+        saved_factor = state.get("lr_factor", self.policy.factor)
+        if saved_factor != self.policy.factor:  # resumed on another world size: the lrs follow its scaling
+            _scale_lrs(self.optimizer, self.scheduler, self.policy.factor / saved_factor)
+            log.info("resume: learning rates rescaled x%g (lr scaling %g when saved, %g now)",
+                     self.policy.factor / saved_factor, saved_factor, self.policy.factor)
 
     def rng_state(self) -> dict[str, Any]:
         return {**host_rng_state(), "torch": torch.get_rng_state(),
@@ -281,6 +295,11 @@ class TorchEngine(TorchEvaluation, Engine):
         seed_host(seed)
         torch.manual_seed(seed)
 
+    def start_sharded_write(self, payload: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
+        engine, shards = self.training.start_sharded_write(payload["engine"], f"{url}/{SHARDS}",
+                                                           self.config.storage_options)
+        return {**payload, "engine": engine}, shards
+
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
         if not writer:
             return {}
@@ -289,13 +308,20 @@ class TorchEngine(TorchEvaluation, Engine):
         return {"state.pt": buffer.getvalue()}
 
     def model_files(self) -> dict[str, bytes]:
+        """The whole model; gathered from every rank where it is sharded (so every rank calls this)."""
+        state = _torch_training(self.strategy).full_model_state(self.module)
+        if not state:  # a rank other than 0 of a sharded model
+            return {}
         buffer = io.BytesIO()
-        torch.save(self.module.state_dict(), buffer)
+        torch.save(state, buffer)
         return {"model.pt": buffer.getvalue()}
 
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
         data = fs.cat_file(f"{directory}/state.pt")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if SHARDS in payload["engine"]:  # model and optimizer are in the shards beside it: where, for every rank
+            payload["engine"][SHARDS] = fs.unstrip_protocol(f"{directory}/{SHARDS}")
+        return payload
 
 
 def _torch_training(strategy: Any) -> TorchTraining:

@@ -57,7 +57,8 @@ class TorchEvaluation:
             self.module.load_state_dict(state)
 
     def load_weights(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
+        """The checkpoint's model, whole on every rank (one written sharded by fsdp is read whole too)."""
+        self.strategy.load_training_state(self.module, None, state, self.config.storage_options)
 
     def eval_batches(self) -> Iterator[Any]:
         self.module.eval()

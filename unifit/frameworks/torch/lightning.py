@@ -146,6 +146,10 @@ class LightningAdapter(TrainModule):
         self.hooks: list[Any] = []
 
     # the checkpoint holds the LightningModule's own keys, as Lightning's checkpoints do
+    @property
+    def state_module(self) -> torch.nn.Module:
+        return self.lightning
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.lightning.state_dict(*args, **kwargs)
 

@@ -31,6 +31,12 @@ class TrainModule(ModuleBase, torch.nn.Module):
     def __init__(self) -> None:
         torch.nn.Module.__init__(self)
 
+    @property
+    def state_module(self) -> torch.nn.Module:
+        """The module whose state_dict() a checkpoint holds, by its parameter names: this one (an
+        adapter names the module it wraps)."""
+        return self
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define training_step(batch, batch_idx)")
 

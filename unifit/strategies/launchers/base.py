@@ -54,7 +54,7 @@ class Launcher(ABC):
         if spec.max_restarts and not self.supports_restarts:
             raise ConfigError(
                 f"--max-restarts {spec.max_restarts}: strategy '{self.strategy}' has no restarting launcher (only "
-                "torchrun's elastic agent restarts ranks: ddp, smddp-like); restart the whole command instead "
+                "torchrun's elastic agent restarts ranks: ddp, smddp-like, fsdp); restart the whole command instead "
                 "(e.g. a Kubernetes restartPolicy or a shell loop) with --ckpt-path auto")
 
 
