@@ -119,5 +119,7 @@ def test_keras_and_lightning_callbacks_and_sample_weights_are_refused_in_one_lin
             Trainer(callbacks=[callback])
         assert needle in str(caught.value) and "\n" not in str(caught.value)
     x = np.zeros((4, 2), np.float32)
-    with pytest.raises(ConfigError, match="train_dataset\\(\\): received 3 arrays .* sample weights are not supported"):
-        arrays((x, x[:, 0], np.ones(4)), "train_dataset()")
+    with pytest.raises(ConfigError, match=r"train_dataset\(\): received 4 arrays; give \(x, y\) or \(x, y, sample_weight\)"):
+        arrays((x, x[:, 0], np.ones(4), np.ones(4)), "train_dataset()")
+    with pytest.raises(ConfigError, match=r"train_dataset\(\): sample weights have shape \(4, 2\)"):
+        arrays((x, x[:, 0], np.ones((4, 2))), "train_dataset()")

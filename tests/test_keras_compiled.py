@@ -88,7 +88,7 @@ def test_data_forms_train_alike(tmp_path):
         state = _fit(model, data, tmp_path / str(i))
         results.append(model.get_weights())
         assert ("val/loss" in state.metrics) == isinstance(data, Data)
-    _close(results[0], results[1], tol=0)
+    _close(results[0], results[1], tol=1e-6)  # the dataset is read lazily in its own order (not shuffled by unifit)
     _close(results[0], results[2], tol=0)
     # a function that builds the compiled model, called by unifit inside the strategy's scope
     from unifit.frameworks.keras.compiled import CompiledModel

@@ -194,6 +194,25 @@ def test_smddp_like_two_hosts_hierarchy_sees_two_nodes(cluster, tmp_path):
     assert_nothing_left(cluster, root)
 
 
+@pytest.mark.timeout(300)
+def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
+    """2 hosts x 2 ranks: hybrid sharding (shard within a host, replicate across hosts), every rank
+    writing its shards to the shared directory; resumed with full sharding over all 4 ranks (DCP reshards)."""
+    root = tmp_path / "fsdp"
+    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "rdzv"),
+                  _fit_args("fsdp", root, 2, extra=("--trainer.strategy_options", "{sharding: hybrid}")), "first")
+    assert "fsdp: hybrid sharding, 2 node(s) x 2 rank(s)" in out, out[-4000:]
+    check_job(root, 4, range(2), [1, 2])
+    assert len(list((root / "checkpoints" / "epoch=0002-step=0000004" / "shards").glob("__*_0.distcp"))) == 4
+    shutil.rmtree(root / "reports")
+    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "static"), _fit_args("fsdp", root, 3, ckpt="last"),
+                  "resume")
+    assert "fsdp: full sharding, 4 rank(s)" in out, out[-4000:]
+    check_resumed(root, out, 3)
+    check_job_after_resume(root, 4)
+    assert_nothing_left(cluster, root)
+
+
 # ---- a host loses its network mid-run ---------------------------------------------------------------
 def cut_mid_run(cluster: Cluster, root: Path, per_host: dict[int, list[str]], fit_args: list[str],
                 env: dict[str, str] | None = None, keep: tuple[int, ...] = (), settle_s: float = 1.0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import logging
 from concurrent.futures import Future
 from typing import Any, ContextManager, Iterable, Iterator, Literal
 
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from unifit.errors import CheckpointNotFoundError, ConfigError, first_line
 from unifit.strategies import sharded_state
 from unifit.strategies.ddp import DDPStrategy
+
+log = logging.getLogger("unifit")
 
 _CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
 
@@ -63,6 +66,10 @@ class FSDPStrategy(DDPStrategy):
         if self._group_ready():
             import torch.distributed as dist
 
+            if self.is_global_zero:
+                layout = (f"hybrid sharding, {self.env.num_nodes} node(s) x {self.env.local_world_size} rank(s)"
+                          if self.options.sharding == "hybrid" else f"full sharding, {self.world_size} rank(s)")
+                log.info("fsdp: %s", layout)
             # checkpoint writes run their collectives on DCP's background thread: a group of their own, on the host
             self._checkpoint_group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from unifit._imports import load_object
 from unifit.errors import ConfigError
+from unifit.frameworks.keras.data import check_dataset
 from unifit.frameworks.keras.module import KerasModule
 
 _COMPILE_FIRST = "call model.compile(optimizer=..., loss=...) first"
@@ -109,6 +110,10 @@ class CompiledModel(KerasModule):
         if isinstance(loss, str) and loss.lower() in ("crossentropy", "ce"):
             return lambda y, y_pred: _crossentropy_for(y, y_pred)(y, y_pred)
         if isinstance(loss, keras.losses.Loss):
+            if getattr(loss, "reduction", None) == "mean_with_sample_weight":
+                raise ConfigError(f"{where}: model.compile(loss={type(loss).__name__}(reduction="
+                                  "'mean_with_sample_weight')); unifit averages (weighted) per-example losses over "
+                                  "the samples: use reduction='sum_over_batch_size'")
             dtype = loss.dtype or "float32"
 
             def per_example(y: Any, y_pred: Any) -> Any:
@@ -234,7 +239,7 @@ class CompiledModel(KerasModule):
         data = self._data
         if data is None:
             raise ConfigError(f"Trainer.fit({self.name}, data=...): a keras.Model brings no data; pass data=(x, y), "
-                              "{'train': (x, y), 'val': (x_val, y_val)}, an unbatched tf.data.Dataset of (x, y) or a "
+                              "{'train': (x, y), 'val': (x_val, y_val)}, an unbatched tf.data.Dataset of (x, y[, sample_weight]) or a "
                               "data provider (train_dataset()/val_dataset())")
         if isinstance(data, dict):
             unknown = sorted(set(data) - {"train", "val"})
@@ -326,15 +331,13 @@ def _binary_or_sparse(y: Any, y_pred: Any) -> tuple[bool, bool]:
 
 
 def _checked(data: Any, split: str) -> Any:
-    """Arrays pass through; a batched tf.data.Dataset is refused (the engine batches per replica)."""
+    """Arrays pass through; a tf.data.Dataset is checked (unbatched (x, y[, sample_weight]) elements, finite)
+    and stays lazy (the engine shards and batches it per replica)."""
     if isinstance(data, tf.data.Dataset):
-        spec = tf.nest.flatten(data.element_spec)
-        if spec and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in spec):
-            raise ConfigError(f"data ({split}): the tf.data.Dataset looks batched (element shapes "
-                              f"{[tuple(s.shape) for s in spec]}); pass it unbatched (dataset.unbatch()): unifit "
-                              "batches per replica itself")
+        check_dataset(data, f"data ({split})")
         return data
     if isinstance(data, (tuple, list)) and len(data) >= 2:
         return tuple(np.asarray(a) if not isinstance(a, np.ndarray) else a for a in data)
-    raise ConfigError(f"data ({split}): received {type(data).__name__}; give arrays (x, y), an unbatched "
-                      "tf.data.Dataset of (x, y) or a data provider (train_dataset()/val_dataset())")
+    raise ConfigError(f"data ({split}): received {type(data).__name__}; give arrays (x, y[, sample_weight]), an "
+                      "unbatched tf.data.Dataset of (x, y[, sample_weight]) or a data provider "
+                      "(train_dataset()/val_dataset())")

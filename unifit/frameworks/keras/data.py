@@ -1,27 +1,130 @@
-"""What a KerasModule's data methods return, as NumPy arrays (the engine shards and batches them)."""
+"""What a KerasModule's data methods return: arrays (the engine shards and batches them), or a
+tf.data.Dataset that stays a pipeline (`LazyData`): never read into memory, each worker reads its
+own part of it (by file when it is built from files, else by element) and unifit batches it per replica.
+
+Elements are (x, y) or (x, y, sample_weight); the engine multiplies the per-example losses by the
+weights (docs/keras.md).
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from unifit.errors import ConfigError
+from unifit.errors import ConfigError, first_line
+
+_AUTOSHARD = tf.data.experimental.AutoShardPolicy
 
 
 def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
-    """(x, y) arrays; a finite, unbatched tf.data.Dataset of (x, y) is read into arrays once."""
+    """(x, y) or (x, y, sample_weight) arrays; a finite, unbatched tf.data.Dataset is read into arrays
+    (only validate/test/predict still do this; fit keeps a dataset lazy, see LazyData)."""
     if isinstance(data, tf.data.Dataset):
+        check_dataset(data, what)
         data = tuple(np.stack(column) for column in zip(*data.as_numpy_iterator()))
-    if isinstance(data, (tuple, list)) and len(data) > 2:
-        raise ConfigError(f"{what}: received {len(data)} arrays (x, y, sample weights?); unifit's Keras engine reads "
-                          "(x, y) only and would ignore the rest: sample weights are not supported yet — drop them, "
-                          "or weight the per-example losses in loss()")
+    if isinstance(data, (tuple, list)) and len(data) > 3:
+        raise ConfigError(f"{what}: received {len(data)} arrays; give (x, y) or (x, y, sample_weight)")
     if isinstance(data, (tuple, list)) and len(data) >= 2:
         result = tuple(np.asarray(a) for a in data)
         result = tuple(a.astype(np.float32) if a.dtype == np.float64 else a for a in result)
         if len({len(a) for a in result}) != 1:
             raise ConfigError(f"{what}: arrays have different lengths {[len(a) for a in result]}; give arrays of equal length")
+        if len(result) == 3 and result[2].ndim != 1:
+            raise ConfigError(f"{what}: sample weights have shape {result[2].shape}; give one weight per sample "
+                              "(shape (n,))")
         return result
-    raise ConfigError(f"{what}: received {type(data).__name__}; return a tuple of arrays (x, y) or a tf.data.Dataset of (x, y)")
+    raise ConfigError(f"{what}: received {type(data).__name__}; return a tuple of arrays (x, y[, sample_weight]) or a "
+                      "tf.data.Dataset of (x, y[, sample_weight])")
+
+
+def check_dataset(data: Any, what: str) -> None:
+    """One line for a dataset unifit cannot batch: not (x, y[, w]) elements, batched, or endless."""
+    spec = data.element_spec
+    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+        shown = f"a tuple of {len(spec)}" if isinstance(spec, tuple) else type(spec).__name__
+        raise ConfigError(f"{what}: the tf.data.Dataset's elements are {shown}; give elements (x, y) or "
+                          "(x, y, sample_weight), e.g. dataset.map(lambda d: (d['x'], d['y']))")
+    flat = tf.nest.flatten(spec)
+    if flat and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in flat):
+        raise ConfigError(f"{what}: the tf.data.Dataset looks batched (element shapes "
+                          f"{[tuple(s.shape) for s in flat]}); pass it unbatched (dataset.unbatch(), or drop its "
+                          ".batch()): unifit batches per replica itself with trainer.batch_size")
+    if len(spec) == 3 and getattr(spec[2], "shape", None) is not None and spec[2].shape.rank not in (None, 0):
+        raise ConfigError(f"{what}: sample weights have element shape {tuple(spec[2].shape)}; give one scalar weight "
+                          "per element")
+    if int(data.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        raise ConfigError(f"{what}: the tf.data.Dataset is endless (repeat() without a count); remove .repeat(): "
+                          "unifit reads the dataset once per epoch")
+
+
+class LazyData:
+    """This worker's part of a tf.data.Dataset, read lazily, never materialised.
+
+    Sharding: by file (AutoShardPolicy.FILE) when the pipeline reads files (list_files, TFRecordDataset,
+    TextLineDataset, ...) and there are enough of them, else by element (AutoShardPolicy.DATA: element
+    rank, rank + world, ...). The count of this worker's elements is the dataset's cardinality, or, when
+    TensorFlow cannot tell it (files, filter, ...), one pass over the part at set-up.
+    """
+
+    def __init__(self, dataset: Any, what: str, rank: int, world: int) -> None:
+        check_dataset(dataset, what)
+        self.what = what
+        self.policy = "none"
+        if world > 1:
+            dataset, self.policy = _shard(dataset, world, rank)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = _AUTOSHARD.OFF  # sharded here, never again
+        self.dataset = dataset.with_options(options)
+        known = int(self.dataset.cardinality())
+        self.counted = known < 0
+        self.count = known if known >= 0 else int(
+            self.dataset.map(lambda *e: tf.constant(1, tf.int64)).reduce(tf.constant(0, tf.int64), lambda a, b: a + b))
+        spec = dataset.element_spec
+        self.weighted = len(spec) == 3
+        known_rank = isinstance(spec[0], tf.TensorSpec) and spec[0].shape.rank is not None
+        self.x_shape = tuple(spec[0].shape) if known_rank else None  # None: the model builds at its first call
+
+    def batched(self, per_replica: list[int], repeat: bool, skip: int = 0) -> Any:
+        """Per-replica batches of sizes `per_replica` (one pass: sum of them elements; the rest of the
+        part is not read), every pass (repeat: endless) read anew, so random ops in the pipeline draw anew.
+        `skip` elements of the first pass are read and dropped (a mid-epoch resume)."""
+        used = sum(per_replica)
+        sizes = tf.constant(per_replica, tf.int64)
+        ends = tf.cumsum(sizes)
+        parts = len(per_replica)
+        data = self.dataset.take(used)
+        if repeat:
+            data = data.repeat()
+        data = data.enumerate()
+        if skip:
+            data = data.skip(skip)
+
+        def key(i: Any, element: Any) -> Any:
+            part = tf.searchsorted(ends, tf.reshape(i % used, [1]), side="right")[0]
+            return (i // used) * parts + tf.cast(part, tf.int64)
+
+        def size(k: Any) -> Any:
+            return tf.gather(sizes, k % parts)
+
+        data = data.group_by_window(key_func=key, window_size_func=size,
+                                    reduce_func=lambda k, window: window.batch(size(k)))
+        return data.map(lambda i, element: element).prefetch(tf.data.AUTOTUNE)
+
+
+def _shard(dataset: Any, world: int, rank: int) -> tuple[Any, str]:
+    from tensorflow.python.distribute import input_ops  # what tf.distribute's auto-sharding calls
+
+    reason = ""
+    for policy in (_AUTOSHARD.FILE, _AUTOSHARD.DATA):
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = policy
+        try:
+            return input_ops.auto_shard_dataset(dataset.with_options(options), world, rank, world), policy.name.lower()
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as exc:
+            reason = first_line(exc)[:200]
+            logging.getLogger("unifit").debug("sharding by file not possible (%s); sharding by element", reason)
+    raise ConfigError(f"tf.data.Dataset: cannot be sharded over {world} workers ({reason}); build it from files or "
+                      "from in-memory tensors")

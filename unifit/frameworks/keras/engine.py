@@ -8,6 +8,11 @@ not trimmed. No replica ever gets an empty batch (some kernels fail on one, e.g.
 the last steps are split so that every replica gets at least one sample (see `step_sizes`), and
 under MWMS every worker validates in the same number of steps, so none runs out before the others.
 
+A tf.data.Dataset stays a pipeline (data.py LazyData): each worker reads its part (by file, else by
+element), counted once when its cardinality is unknown, batched per replica by the same step plan;
+training reads `take(n).repeat()` through one iterator, one pass per epoch, so random ops in the
+pipeline draw anew every epoch. A third element (sample weights) multiplies the per-example losses.
+
 Precision (frameworks/keras/precision.py) builds the model under its dtype policy and scales the
 loss; trainer.compile hands each replica's forward, loss and gradients to XLA (jit_compile), while
 gradient reduction and the optimizer's update, which hold the collectives (Horovod's ops have no
@@ -19,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -34,6 +40,7 @@ import tensorflow as tf  # noqa: E402
 from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
+from unifit.frameworks.keras.data import LazyData  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
@@ -54,12 +61,24 @@ class KerasEngine(KerasEvaluation, Engine):
         self._set_up_replicas()
 
         train, presharded = self._rank_data(self.data.train_dataset())
-        self.train_arrays = _arrays(train, "train_dataset()")
         self.train_presharded = presharded
-        n = len(self.train_arrays[0])
-        self.per_worker = n if presharded else n // strategy.world_size
-        if presharded:
-            self.per_worker = -int(strategy.all_reduce_max(np.array([-n]))[0])
+        self.train_lazy = self.val_lazy = None
+        self.train_arrays = self.val_arrays = None
+        self._train_iter, self._train_next = None, None
+        if isinstance(train, tf.data.Dataset):  # a pipeline: read lazily, each worker its own part
+            self.train_lazy = self._lazy(train, "train_dataset()", presharded)
+            self.per_worker = min(self._counts(self.train_lazy.count))
+            lazy = self.train_lazy
+            how = {"file": "sharded by file", "data": "sharded by element", "none": "not sharded"}[lazy.policy]
+            logging.getLogger("unifit").info(
+                f"rank {strategy.rank}: train_dataset() is a tf.data pipeline, read lazily, {how}: {lazy.count} "
+                f"samples here ({'counted' if lazy.counted else 'cardinality'}), {self.per_worker} used per epoch")
+        else:
+            self.train_arrays = _arrays(train, "train_dataset()")
+            n = len(self.train_arrays[0])
+            self.per_worker = n if presharded else n // strategy.world_size
+            if presharded:
+                self.per_worker = -int(strategy.all_reduce_max(np.array([-n]))[0])
         used = self.per_worker - (self.per_worker % self.local_batch if cfg.drop_last else 0)
         if used == 0:
             raise ConfigError(f"trainer.batch_size: {cfg.batch_size} x {self.local_replicas} local replicas leaves no "
@@ -72,8 +91,11 @@ class KerasEngine(KerasEvaluation, Engine):
         if cfg.limit_train_batches:
             self._batches = min(self._batches, cfg.limit_train_batches)
         val, val_presharded = self._rank_data(self.data.val_dataset())
-        self.val_arrays = _arrays(val, "val_dataset()") if val is not None and cfg.limit_val_batches != 0 else None
-        if self.val_arrays is not None:
+        if val is not None and cfg.limit_val_batches != 0 and isinstance(val, tf.data.Dataset):
+            self.val_lazy = self._lazy(val, "val_dataset()", val_presharded)
+            self._val_sizes = self._val_plan(self.val_lazy.count)
+        elif val is not None and cfg.limit_val_batches != 0:
+            self.val_arrays = _arrays(val, "val_dataset()")
             n_val = len(self.val_arrays[0])
             rank, world = (0, 1) if val_presharded else (strategy.rank, strategy.world_size)
             self._val_indices = np.arange(rank, n_val, world)
@@ -88,7 +110,9 @@ class KerasEngine(KerasEvaluation, Engine):
             self.policy = LRPolicy.from_config(cfg, self.replicas, self._batches)
             self.optimizer, self.schedule = with_policy(optimizer, self.policy)
             self.step_optimizer = precision.step_optimizer(self.optimizer)  # float16: a LossScaleOptimizer around it
-            model.build(tuple([None, *self.train_arrays[0].shape[1:]]))
+            x_shape = self.train_lazy.x_shape if self.train_lazy is not None else self.train_arrays[0].shape[1:]
+            if x_shape is not None:
+                model.build(tuple([None, *x_shape]))
             self.step_optimizer.build(model.trainable_variables)
         strategy.broadcast_variables(model.variables + self.step_optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
@@ -113,14 +137,20 @@ class KerasEngine(KerasEvaluation, Engine):
         evaluate = evaluate or module.validation_step
         keep_outputs = bool(self._stateful_metrics(prefix))  # their update runs on the host (stateful.py)
 
-        def forward(x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
+        def weighted(per_example: Any, weights: Any) -> Any:
+            """Sample weights multiply the per-example losses (the mean stays over samples, as Keras'
+            sum_over_batch_size with sample_weight)."""
+            per_example = tf.cast(per_example, tf.float32)
+            return per_example if weights is None else per_example * tf.cast(tf.reshape(weights, [-1]), tf.float32)
+
+        def forward(x: Any, y: Any, weights: Any = None) -> tuple[Any, dict[str, Any]]:
             """Per replica: forward, loss and (training) gradients; what trainer.compile gives to XLA.
             Collectives (gradient reduction, the optimizer's all-reduce) stay outside it."""
             grads = None
             if train:
                 with tf.GradientTape() as tape:
                     per_example, y_pred = module.training_step(x, y)
-                    per_example = tf.cast(per_example, tf.float32)
+                    per_example = weighted(per_example, weights)
                     loss = tf.nn.compute_average_loss(per_example)
                     if module.model.losses:
                         regularization = tf.add_n([tf.cast(r, tf.float32) for r in module.model.losses])
@@ -129,6 +159,7 @@ class KerasEngine(KerasEvaluation, Engine):
                 grads = tape.gradient(scaled, module.model.trainable_variables)
             else:
                 per_example, y_pred = evaluate(x, y)
+                per_example = weighted(per_example, weights)
             sums = {f"{prefix}loss": tf.reduce_sum(tf.cast(per_example, tf.float32))}
             for name, values in module.metrics(y, y_pred).items():
                 sums[f"{prefix}{name}"] = tf.reduce_sum(tf.cast(values, tf.float32))
@@ -140,8 +171,8 @@ class KerasEngine(KerasEvaluation, Engine):
         if self.config.compile:
             forward = tf.function(forward, jit_compile=True)
 
-        def replica_step(x: Any, y: Any) -> dict[str, Any]:
-            grads, sums = forward(x, y)
+        def replica_step(x: Any, y: Any, weights: Any = None) -> dict[str, Any]:
+            grads, sums = forward(x, y, weights)
             if train:
                 variables = module.model.trainable_variables
                 grads = self.strategy.reduce_gradients(grads)  # scaled alike on every rank (one loss scale)
@@ -163,6 +194,22 @@ class KerasEngine(KerasEvaluation, Engine):
         return step
 
     # ---- data -------------------------------------------------------------------------------
+    def _lazy(self, dataset: Any, what: str, presharded: bool) -> LazyData:
+        """A tf.data.Dataset as this worker's lazy part (presharded: FileShards already gave this rank its own)."""
+        world, rank = (1, 0) if presharded else (self.strategy.world_size, self.strategy.rank)
+        return LazyData(dataset, what, rank, world)
+
+    def _counts(self, count: int) -> list[int]:
+        """Every worker's element count (mwms, horovod: workers' parts differ when sharded by file)."""
+        if self.strategy.world_size == 1:
+            return [count]
+        return [int(c) for c in self.strategy.all_gather_object(count)]
+
+    def _lazy_batches(self, lazy: LazyData, sizes: list[int], repeat: bool, skip: int = 0) -> Any:
+        """Distributed per-replica batches of a lazy part: each step's samples split evenly over the local replicas."""
+        per_replica = [part for size in sizes for part in split_evenly(size, self.local_replicas)]
+        return self.dist.distribute_datasets_from_function(lambda context: lazy.batched(per_replica, repeat, skip))
+
     def _steps_for(self, counts: list[int]) -> int:
         """Steps that every worker takes for its `counts` samples: enough for the largest at full
         batches, but never more than the smallest can fill with one sample per replica."""
@@ -187,7 +234,7 @@ class KerasEngine(KerasEvaluation, Engine):
         distribute_datasets_from_function does no auto-sharding and no rebatching: unifit has
         already given this worker its own part, which is what every replica trains on.
         """
-        data = tuple(a[indices[: sum(sizes)]] for a in arrays[:2])
+        data = tuple(a[indices[: sum(sizes)]] for a in arrays[:3])  # (x, y[, sample_weight])
         per_replica = [part for size in sizes for part in split_evenly(size, self.local_replicas)]
 
         def dataset_fn(context: Any) -> Any:
@@ -203,6 +250,9 @@ class KerasEngine(KerasEvaluation, Engine):
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         if skip >= self._batches:  # resumed from a checkpoint taken after the epoch's last step
             return
+        if self.train_lazy is not None:
+            yield from self._lazy_train_batches(epoch, skip)
+            return
         n = len(self.train_arrays[0])
         order = np.random.default_rng(self.config.seed + epoch).permutation(n)
         mine = order if self.train_presharded else order[self.strategy.rank::self.strategy.world_size]
@@ -213,6 +263,21 @@ class KerasEngine(KerasEvaluation, Engine):
         for i in range(skip, self._batches):  # the same count on every worker
             self.collector.batch_count = self._train_sizes[i]
             yield iterator  # train_step dequeues the batch inside its compiled step
+
+    def _lazy_train_batches(self, epoch: int, skip: int) -> Iterator[Any]:
+        """One iterator over the endlessly repeated part serves every epoch (each epoch one pass of the
+        part, trimmed to the steps every worker takes); repeat() re-reads the pipeline per pass, so random
+        augmentation in it differs between epochs. A resume starts a new one, reading and dropping the
+        samples of the steps already taken."""
+        sizes = self._train_sizes[: self._batches]
+        if self._train_iter is None or self._train_next != (epoch, skip):
+            dataset = self._lazy_batches(self.train_lazy, sizes, repeat=True, skip=sum(sizes[:skip]))
+            self._train_iter = iter(dataset)
+        self._train_next = None  # an epoch left half-way is not continued
+        for i in range(skip, self._batches):  # the same count on every worker
+            self.collector.batch_count = sizes[i]
+            yield self._train_iter
+        self._train_next = (epoch + 1, 0)
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
         with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
@@ -225,7 +290,10 @@ class KerasEngine(KerasEvaluation, Engine):
         sizes = self._val_sizes
         limit = self.config.limit_val_batches
         steps = len(sizes) if limit is None else min(limit, len(sizes))
-        iterator = iter(self._dataset(self.val_arrays, self._val_indices, sizes))
+        if self.val_lazy is not None:
+            iterator = iter(self._lazy_batches(self.val_lazy, sizes, repeat=False))
+        else:
+            iterator = iter(self._dataset(self.val_arrays, self._val_indices, sizes))
         for i in range(steps):  # the same count on every worker
             with self.strategy.collective_guard("validation batch"):  # MWMS: workers agree there is one
                 batch = next(iterator)
@@ -278,7 +346,7 @@ class KerasEngine(KerasEvaluation, Engine):
 
     @property
     def has_validation(self) -> bool:
-        return self.val_arrays is not None
+        return self.val_arrays is not None or self.val_lazy is not None
 
     @property
     def optimizer_steps(self) -> int:

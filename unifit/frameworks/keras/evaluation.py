@@ -1,7 +1,8 @@
 """validate / test / predict for KerasModules (a mixin of KerasEngine; trainer/evaluation.py runs it).
 
 The model is built in the strategy's scope as for fit (no optimizer); each worker takes its own
-disjoint shard (rank::world, not trimmed), split into per-replica batches as validation is, so
+disjoint shard (rank::world, not trimmed; a tf.data.Dataset for validate/test is read lazily, sharded as
+in fit, frameworks/keras/data.py), split into per-replica batches as validation is, so
 metrics are exact sample-weighted means. Predictions come back per step from every local replica
 in the order the replicas took their parts, which is the shard's order.
 """
@@ -39,15 +40,23 @@ class KerasEvaluation:
         source, step, prefix = _STAGES[stage]
         self._prefix = prefix
         data, presharded = self._stage_data(stage, source)
-        self.eval_arrays = _inputs(data, f"{source}()") if stage == "predict" else arrays(data, f"{source}()")
-        rank, world = (0, 1) if presharded else (strategy.rank, strategy.world_size)
-        self._eval_indices = np.arange(rank, len(self.eval_arrays[0]), world)
-        self._eval_sizes = self._val_plan(len(self._eval_indices))
+        self.eval_lazy = None
+        if stage != "predict" and isinstance(data, tf.data.Dataset):  # validate/test: read lazily, as in fit
+            self.eval_lazy = self._lazy(data, f"{source}()", presharded)
+            self._eval_sizes = self._val_plan(self.eval_lazy.count)
+            x_shape = self.eval_lazy.x_shape
+        else:
+            self.eval_arrays = _inputs(data, f"{source}()") if stage == "predict" else arrays(data, f"{source}()")
+            rank, world = (0, 1) if presharded else (strategy.rank, strategy.world_size)
+            self._eval_indices = np.arange(rank, len(self.eval_arrays[0]), world)
+            self._eval_sizes = self._val_plan(len(self._eval_indices))
+            x_shape = self.eval_arrays[0].shape[1:]
         if stage == "validate" and cfg.limit_val_batches is not None:
             self._eval_sizes = self._eval_sizes[: cfg.limit_val_batches]
         with strategy.collective_guard("creating the model"), self.dist.scope(), self.precision.building():
             self.module.model = model = self.precision.prepare_model(self.module.build_model())
-            model.build(tuple([None, *self.eval_arrays[0].shape[1:]]))
+            if x_shape is not None:
+                model.build(tuple([None, *x_shape]))
         strategy.broadcast_variables(model.variables)  # rank 0's weights everywhere, as fit starts
         if stage == "predict":
             self._eval_fn = tf.function(self._predict_step())
@@ -70,7 +79,10 @@ class KerasEvaluation:
             read_tf_files(state["tf_files"], tf.train.Checkpoint(model=self.module.model)).expect_partial()
 
     def eval_batches(self) -> Iterator[Any]:
-        iterator = iter(self._dataset(self.eval_arrays, self._eval_indices, self._eval_sizes))
+        if self.eval_lazy is not None:
+            iterator = iter(self._lazy_batches(self.eval_lazy, self._eval_sizes, repeat=False))
+        else:
+            iterator = iter(self._dataset(self.eval_arrays, self._eval_indices, self._eval_sizes))
         for size in self._eval_sizes:  # the same count on every worker
             with self.strategy.collective_guard("evaluation batch"):
                 batch = next(iterator)

@@ -9,7 +9,9 @@
                                            (logged as train/acc and val/acc, sample-weighted)
     self.log("val/auc", torchmetric)       stateful_metrics() -> {"auc": keras.metrics.AUC()}
     configure_optimizers() -> optimizer    configure_optimizers() -> keras optimizer (base lr)
-    train_dataset()/val_dataset()          the same: arrays (x, y) or an unbatched tf.data.Dataset
+    train_dataset()/val_dataset()          the same: arrays (x, y[, sample_weight]) or an unbatched
+                                           tf.data.Dataset of them (read lazily; weights multiply
+                                           the per-example losses, docs/keras.md)
     test_step / predict_step               test_step(x, y) like validation_step; predict_step(x) -> outputs
     test_dataset()/predict_dataset()       the same (predict: x alone is enough)
 
