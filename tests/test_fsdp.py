@@ -104,22 +104,34 @@ def test_accumulated_clipped_warmed_up_steps_equal_ddp_and_bf16_trains(tmp_path)
     assert [m["train/loss"] for m in bf16] == pytest.approx([m["train/loss"] for m in curves["ddp"]], rel=0.05)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("overrides, message", [
-    (["--trainer.strategy_options", "{sharding: hybrid}"],
-     "trainer.strategy_options.sharding: 'hybrid' shards within a node and replicates across nodes, but this job "
-     "has one node (2 ranks)"),
-    (["--trainer.strategy_options", "{wrap: [TransformerBlock]}"],
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("settings, message", [
+    ({"strategy_options": {"wrap": ["TransformerBlock"]}},
      "trainer.strategy_options.wrap: TransformerBlock names no submodule of ProbeModule; its submodule classes are: "
      "Dropout, Linear, Sequential, Tanh"),
-    (["--trainer.strategy_options", "{cpu_offload: true}"], "trainer.strategy_options.cpu_offload: true needs a GPU"),
-    (["--trainer.precision", "16-mixed"], "trainer.precision: received '16-mixed', which fsdp does not support"),
-    (["--trainer.strategy_options", "{sharding: zero3}"], "trainer.strategy_options.sharding"),
+    ({"strategy_options": {"cpu_offload": True}}, "trainer.strategy_options.cpu_offload: true needs a GPU"),
+    ({"precision": "16-mixed"}, "trainer.precision: received '16-mixed', which fsdp does not support"),
+    ({"strategy_options": {"sharding": "zero3"}}, "trainer.strategy_options.sharding"),
 ])
-def test_bad_fsdp_input_is_one_line(tmp_path, overrides, message):
-    result = launch_probe("fsdp", tmp_path, "--trainer.max_epochs", "1", *overrides, timeout=120)
+def test_bad_fsdp_options_are_one_line(tmp_path, settings, message):
+    """Checked in one process too (no launcher: a world of one, where nothing is sharded yet)."""
+    from tests.probe.probe import ProbeModule
+    from unifit import Trainer
+    from unifit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        Trainer(strategy="fsdp", max_epochs=1, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
+                **settings).fit(ProbeModule())
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_sharding_on_one_node_is_one_line_from_every_rank(tmp_path):
+    result = launch_probe("fsdp", tmp_path, "--trainer.max_epochs", "1",
+                          "--trainer.strategy_options", "{sharding: hybrid}", timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert message in result.stderr, result.stderr[-3000:]
+    assert ("trainer.strategy_options.sharding: 'hybrid' shards within a node and replicates across nodes, but this "
+            "job has one node (2 ranks); use 'full'") in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 

@@ -162,6 +162,32 @@ module:
     assert {"train_mse", "val_mse"} <= set(reports[0]["metrics"])
 
 
+@pytest.mark.timeout(120)
+def test_estimated_stepping_batches_and_the_test_and_predict_hooks(tmp_path):
+    """A OneCycleLR sized by trainer.estimated_stepping_batches runs to its last step without the
+    'stepped too many times' error; test/predict call the module's own hooks in Lightning's order."""
+    from tests.probe.lightning_probe import OneCycleRegressor
+    from unifit import Trainer
+
+    module = OneCycleRegressor()
+    trainer = Trainer(max_epochs=3, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
+                      accumulate_grad_batches=2)
+    trainer.fit(module)
+    assert "estimated_stepping_batches:12" in module.calls  # 64 samples / 8 = 8 batches, 4 steps x 3 epochs
+    module.calls.clear()
+    metrics = trainer.test(module)
+    assert set(metrics) == {"test_mse"}
+    assert module.calls == ["setup:test", "on_test_start", "on_test_epoch_start", "on_test_batch_end:0",
+                            "on_test_batch_end:1", "on_test_batch_end:2", "on_test_epoch_end", "on_test_end",
+                            "teardown:test"]
+    module.calls.clear()
+    predictions = trainer.predict(module)
+    assert predictions.shape == (20, 1)
+    assert module.calls == ["setup:predict", "on_predict_start", "on_predict_batch_start:0",
+                            "on_predict_batch_start:1", "on_predict_batch_start:2", "on_predict_end",
+                            "teardown:predict"]
+
+
 def test_trainmodule_offers_save_hyperparameters_natively():
     import unifit
 

@@ -100,3 +100,55 @@ class LightningReport(unifit.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
             json.dump(report, f)
+
+
+class OneCycleRegressor(Regressor):
+    """Regressor with a OneCycleLR sized by self.trainer.estimated_stepping_batches, test/predict steps,
+    and the test/predict hooks recorded."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        total = self.trainer.estimated_stepping_batches
+        self.calls.append(f"estimated_stepping_batches:{total}")
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.hparams.lr, total_steps=total)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_mse", F.mse_loss(self(x), y), batch_size=len(x))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+    def on_test_start(self) -> None:
+        self.calls.append("on_test_start")
+
+    def on_test_epoch_start(self) -> None:
+        self.calls.append("on_test_epoch_start")
+
+    def on_test_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.calls.append(f"on_test_batch_end:{batch_idx}")
+
+    def on_test_epoch_end(self) -> None:
+        self.calls.append("on_test_epoch_end")
+
+    def on_test_end(self) -> None:
+        self.calls.append("on_test_end")
+
+    def on_predict_start(self) -> None:
+        self.calls.append("on_predict_start")
+
+    def on_predict_batch_start(self, batch, batch_idx) -> None:
+        self.calls.append(f"on_predict_batch_start:{batch_idx}")
+
+    def on_predict_end(self) -> None:
+        self.calls.append("on_predict_end")
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append(f"teardown:{getattr(stage, 'value', stage)}")

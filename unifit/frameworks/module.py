@@ -29,6 +29,9 @@ class ModuleBase:
     engine: ClassVar[str]
 
     _unifit_collector: Any = None
+    # optimizer steps the fit will take (steps per epoch x max_epochs), set before configure_optimizers
+    # runs, for schedules that need the total (OneCycleLR); None outside fit
+    stepping_batches: int | None = None
 
     def save_hyperparameters(self, *names: str) -> None:
         """Keep the calling __init__'s arguments (all, or the ones named) in `self.hparams`, as
@@ -67,6 +70,12 @@ class ModuleBase:
     def setup_stage(self, stage: str) -> None:
         """Called before the engine sets up for 'fit', 'validate', 'test' or 'predict' (a wrapped
         LightningModule runs its own setup(stage) then)."""
+
+    def on_evaluation_start(self, stage: str) -> None:
+        """Before the first batch of Trainer.validate/test/predict (`stage`); no callbacks run there."""
+
+    def on_evaluation_end(self, stage: str) -> None:
+        """After the last batch of Trainer.validate/test/predict, once metrics are reduced or predictions gathered."""
 
     def configure_callbacks(self) -> list[Any]:
         """unifit Callbacks this module brings along (run after trainer.callbacks, as Lightning's are)."""

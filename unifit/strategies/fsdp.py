@@ -102,15 +102,16 @@ class FSDPStrategy(DDPStrategy):
         return wrapped, optimizer
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
+        opts = self.options
+        if opts.cpu_offload and device.type == "cpu":
+            raise ConfigError("trainer.strategy_options.cpu_offload: true needs a GPU (on CPU the state is in host "
+                              "memory already); set it false or train on GPUs")
+        units = self._units(step_module.module)  # checked at any world size: a wrong class name is refused
         if not self._group_ready():
             return step_module
         import torch
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        opts = self.options
-        if opts.cpu_offload and device.type == "cpu":
-            raise ConfigError("trainer.strategy_options.cpu_offload: true needs a GPU (on CPU the state is in host "
-                              "memory already); set it false or train on GPUs")
         mesh = self._mesh(device)
         settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": opts.reshard_after_forward,
                                     "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1))}
@@ -118,7 +119,7 @@ class FSDPStrategy(DDPStrategy):
             settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if opts.cpu_offload:
             settings["offload_policy"] = CPUOffloadPolicy()
-        for unit in self._units(step_module.module):
+        for unit in units:
             fully_shard(unit, **settings)
         fully_shard(step_module, **settings)  # the root: what no unit holds, and the step's entry
         return step_module

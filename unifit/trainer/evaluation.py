@@ -56,6 +56,7 @@ def evaluate(config: TrainerConfig, stage: str, module: Any, data: Any = None,
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
         engine.collector.reset()
+        module.on_evaluation_start(stage)
         kept: list[Any] = []
         for batch_idx, batch in enumerate(engine.eval_batches()):
             outputs = engine.eval_step(batch, batch_idx)
@@ -65,6 +66,7 @@ def evaluate(config: TrainerConfig, stage: str, module: Any, data: Any = None,
             result.predictions = _in_dataset_order(strategy, engine, kept)
         else:
             result.metrics = engine.collector.reduce(strategy)
+        module.on_evaluation_end(stage)
         return result
     finally:
         module._unifit_collector = None

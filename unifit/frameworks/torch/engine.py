@@ -53,8 +53,6 @@ class TorchEngine(TorchEvaluation, Engine):
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage("fit")
         self.module.to(self.device)
-        self.optimizer, self.schedule = parse_optimizers(_configure_optimizers(self.module), type(self.module).__name__)
-        self.scheduler = self.schedule.scheduler if self.schedule is not None else None
         self._epochs_done = 0
 
         pin = self.device.type == "cuda"
@@ -94,6 +92,9 @@ class TorchEngine(TorchEvaluation, Engine):
 
         self.accumulate = cfg.accumulate_grad_batches
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
+        self.module.stepping_batches = steps_per_epoch * cfg.max_epochs  # known before configure_optimizers
+        self.optimizer, self.schedule = parse_optimizers(_configure_optimizers(self.module), type(self.module).__name__)
+        self.scheduler = self.schedule.scheduler if self.schedule is not None else None
         self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
         _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
         self._steps = 0

@@ -28,7 +28,9 @@ _STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_s
 # the Trainer attributes a LightningModule may read through self.trainer
 _TRAINER_FACTS = ("current_epoch", "global_step", "global_rank", "local_rank", "world_size", "num_nodes",
                   "is_global_zero", "max_epochs", "callback_metrics", "logged_metrics", "training",
-                  "sanity_checking", "num_devices", "should_stop")
+                  "sanity_checking", "num_devices", "should_stop", "estimated_stepping_batches")
+# Trainer.validate/test/predict -> the word in Lightning's hook names
+_HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 
 
 def is_lightning_module(obj: Any) -> bool:
@@ -63,6 +65,7 @@ class TrainerView:
         self.training = True
         self.sanity_checking = False
         self.num_devices = 1
+        self.estimated_stepping_batches: int | None = None  # set as fit's configure_optimizers runs
 
     def _facts(self) -> tuple[int, int, int]:
         if self.ctx is not None:
@@ -184,10 +187,32 @@ class LightningAdapter(TrainModule):
         return out
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._call_step(self.lightning.test_step, batch, batch_idx)
+        lm = self.lightning
+        lm.on_test_batch_start(batch, batch_idx)
+        out = self._call_step(lm.test_step, batch, batch_idx)
+        lm.on_test_batch_end(out, batch, batch_idx)
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        return self.lightning.predict_step(batch, batch_idx)
+        lm = self.lightning
+        lm.on_predict_batch_start(batch, batch_idx)
+        out = lm.predict_step(batch, batch_idx)
+        lm.on_predict_batch_end(out, batch, batch_idx)
+        return out
+
+    def on_evaluation_start(self, stage: str) -> None:
+        """Lightning's order: on_<stage>_start, on_<stage>_epoch_start (validate: 'validation')."""
+        self.view.training = False
+        name = _HOOK_STAGE[stage]
+        getattr(self.lightning, f"on_{name}_start")()
+        getattr(self.lightning, f"on_{name}_epoch_start")()
+
+    def on_evaluation_end(self, stage: str) -> None:
+        name = _HOOK_STAGE[stage]
+        getattr(self.lightning, f"on_{name}_epoch_end")()
+        getattr(self.lightning, f"on_{name}_end")()
+        for part in (self.datamodule, self.lightning):
+            if part is not None:
+                part.teardown(stage)
 
     def _call_step(self, step: Any, batch: Any, batch_idx: int) -> Any:
         self._in_step = True
@@ -203,6 +228,7 @@ class LightningAdapter(TrainModule):
         lm.on_validation_batch_end(out, batch, batch_idx)
 
     def configure_optimizers(self) -> Any:
+        self.view.estimated_stepping_batches = self.stepping_batches  # for OneCycleLR(total_steps=...) and the like
         return self.lightning.configure_optimizers()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
