@@ -69,7 +69,7 @@ def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path, strategy
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "horovod", "mwms"])
+@pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "fsdp", "horovod", "mwms"])
 def test_kill_9_of_one_rank_ends_every_process_and_names_it(tmp_path, strategy):
     """Without restarts, kill -9 of one rank mid-epoch: every process ends non-zero within 60 s and one
     line names the rank that died (the others only see a reset connection or a timed-out collective)."""

@@ -112,3 +112,44 @@ def test_keras_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
     for where, metrics in found.items():
         for name in ("val/auc", "val/precision"):
             assert metrics[name] == pytest.approx(reference[name], abs=1e-6), (where, name)
+
+
+def test_a_stateful_metric_resumed_mid_epoch_covers_the_whole_epoch(tmp_path):
+    """A torchmetrics object's state is part of a mid-epoch checkpoint: the epoch's AUROC after a resume
+    at batch 3 of 8 equals the uninterrupted run's (without it, only batches 4-8 would count)."""
+    import torch
+
+    from tests.probe.metrics_probe import StopAt, TrainMetricsProbe
+    from unifit import Trainer
+
+    def trainer(root, *callbacks):
+        return Trainer(max_epochs=1, batch_size=8, root_dir=str(root), progress_bar=False, seed=0,
+                       checkpoint={"every_n_steps": 3}, callbacks=list(callbacks))
+
+    torch.manual_seed(0)
+    whole = trainer(tmp_path / "whole").fit(TrainMetricsProbe()).metrics["train/auroc"]
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        trainer(tmp_path / "part", StopAt(4)).fit(TrainMetricsProbe())
+    torch.manual_seed(1)  # the weights come from the checkpoint
+    resumed = trainer(tmp_path / "part").fit(TrainMetricsProbe(), ckpt_path="last").metrics["train/auroc"]
+    assert resumed == pytest.approx(whole, abs=1e-12)
+
+
+def test_keras_metric_state_merges_into_a_fresh_metric():
+    """KerasMetricValue.state() survives JSON (a Keras checkpoint's state.json) and merge() adds it back."""
+    import json
+
+    import keras
+
+    from unifit.frameworks.keras.stateful import KerasMetricValue
+
+    y = np.array([0, 1, 1, 0, 1, 0, 1, 1], np.float32)
+    p = np.array([0.1, 0.8, 0.4, 0.3, 0.9, 0.6, 0.7, 0.2], np.float32)
+    whole = keras.metrics.AUC()
+    whole.update_state(y, p)
+    first, second = KerasMetricValue(keras.metrics.AUC(), "m"), KerasMetricValue(keras.metrics.AUC(), "m")
+    first.update(y[:3], p[:3])
+    second.update(y[3:], p[3:])
+    second.merge(json.loads(json.dumps(first.state())))
+    assert float(second.metric.result()) == pytest.approx(float(whole.result()), abs=1e-7)

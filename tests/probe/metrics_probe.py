@@ -45,3 +45,29 @@ class MetricsProbe(unifit.TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TrainMetricsProbe(MetricsProbe):
+    """Logs a torchmetrics object during training too, so a mid-epoch checkpoint holds its state."""
+
+    def __init__(self, n_val: int = 37) -> None:
+        super().__init__(n_val)
+        self.train_auroc = torchmetrics.classification.BinaryAUROC()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x).squeeze(1)
+        self.train_auroc.update(torch.sigmoid(logits).detach(), y.int())
+        self.log("train/auroc", self.train_auroc)
+        return F.binary_cross_entropy_with_logits(logits, y)
+
+
+class StopAt(unifit.Callback):
+    """Raises after batch `batch` of the first epoch (in-process: a crash after a mid-epoch checkpoint)."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
+        if ctx.progress.epoch == 0 and ctx.progress.batch_in_epoch == self.batch:
+            raise RuntimeError("stopped on purpose")

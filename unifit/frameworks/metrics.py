@@ -22,11 +22,15 @@ import numpy as np
 from unifit.errors import ConfigError, DistributedError
 
 
+STATEFUL = "__stateful__"  # the key of the metric objects' states in a collector's state_dict
+
+
 class MetricCollector:
     def __init__(self, to_numpy: Callable[[list[Any]], np.ndarray]) -> None:
         self._to_numpy = to_numpy
         self._entries: dict[str, tuple[list[Any], list[int]]] = {}
         self._stateful: dict[str, Any] = {}  # name -> a metric object the module updates itself
+        self._resumed: dict[str, Any] = {}  # name -> a stateful metric's state from a mid-epoch checkpoint
         self._last_totals: dict[str, float] = {}
         self.batch_count = 1  # samples in the current batch: the default weight of self.log
 
@@ -39,9 +43,12 @@ class MetricCollector:
         for metric in self._stateful.values():
             metric.reset()
         self._stateful = {}
+        self._resumed = {}
 
     def add(self, name: str, value: Any, count: int) -> None:
         if is_stateful(value):  # its own states accumulate; the object is computed at the end
+            if name in self._resumed:  # the epoch's batches before a mid-epoch checkpoint count too
+                value.merge(self._resumed.pop(name))
             self._stateful[name] = value
             return
         entry = self._entries.get(name)
@@ -50,16 +57,20 @@ class MetricCollector:
         entry[0].append(value)
         entry[1].append(count)
 
-    def state_dict(self) -> dict[str, tuple[list[float], list[int]]]:
-        """The phase so far as numbers (a mid-epoch checkpoint): each entry's mean and its count.
-        A stateful metric's states live in the module (its state_dict), not here."""
-        out = {}
+    def state_dict(self) -> dict[str, Any]:
+        """The phase so far (a mid-epoch checkpoint): each entry's means and counts, and under
+        STATEFUL each metric object's state (merged into the object when it is logged again)."""
+        out: dict[str, Any] = {}
         for name, (values, counts) in self._entries.items():
             means = self._to_numpy(values).astype(np.float64).reshape(len(counts), -1).mean(axis=1)
             out[name] = ([float(v) for v in means], list(counts))
+        if self._stateful:
+            out[STATEFUL] = {name: metric.state() for name, metric in self._stateful.items()}
         return out
 
-    def load_state_dict(self, state: dict[str, tuple[list[float], list[int]]]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self._resumed = dict(state.pop(STATEFUL, {}))
         self._entries = {name: (list(values), list(counts)) for name, (values, counts) in state.items()}
 
     def latest(self, name: str) -> Any:

@@ -40,3 +40,13 @@ class KerasMetricValue:
 
     def reset(self) -> None:
         self.metric.reset_state()
+
+    def state(self) -> list[Any]:
+        """The metric's variables (counts and sums) as nested lists (a mid-epoch checkpoint, JSON)."""
+        return [np.asarray(v.numpy()).tolist() for v in self.metric.variables]
+
+    def merge(self, state: list[Any]) -> None:
+        """Add a checkpoint's counts and sums to the metric's."""
+        for variable, saved in zip(self.metric.variables, state):
+            current = np.asarray(variable.numpy())
+            variable.assign(current + np.asarray(saved, dtype=current.dtype))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from unifit.errors import ConfigError
+
 
 def is_torchmetric(value: Any) -> bool:
     return all(hasattr(value, attr) for attr in ("compute", "reset", "dist_sync_fn", "distributed_available_fn"))
@@ -31,3 +33,19 @@ class TorchmetricValue:
 
     def reset(self) -> None:
         self.metric.reset()
+
+    def state(self) -> dict[str, Any]:
+        """The metric's states on the host (a mid-epoch checkpoint)."""
+        return {name: [t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu()
+                for name, value in self.metric.metric_state.items()}
+
+    def merge(self, state: dict[str, Any]) -> None:
+        """Add a checkpoint's states to the metric's (torchmetrics' merge_state: its own reductions)."""
+        device = self.metric.device
+        moved = {name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
+                 for name, value in state.items()}
+        try:
+            self.metric.merge_state(moved)
+        except RuntimeError as exc:
+            raise ConfigError(f"metric {self.name}: its state from the mid-epoch checkpoint cannot be merged "
+                              f"({exc}); resume from a checkpoint taken at an epoch end") from None
