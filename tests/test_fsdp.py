@@ -104,6 +104,25 @@ def test_accumulated_clipped_warmed_up_steps_equal_ddp_and_bf16_trains(tmp_path)
     assert [m["train/loss"] for m in bf16] == pytest.approx([m["train/loss"] for m in curves["ddp"]], rel=0.05)
 
 
+@pytest.mark.timeout(300)
+def test_tied_weights_are_sharded_as_one_group_and_resume(tmp_path):
+    """An output layer sharing the embedding's weight (GPT-2's tie): the two units are one FSDP group
+    (sharded apart, FSDP refuses the shared parameter); training equals ddp's and resumes exactly."""
+    yaml_file = Path(__file__).parent / "probe" / "tied_probe.yaml"
+
+    def run(strategy: str, root: Path, *extra: str, ckpt: str | None = None) -> list[dict]:
+        args = ["launch", "--nproc-per-node", "2", "-c", str(yaml_file), "--trainer.strategy", strategy,
+                "--trainer.root_dir", str(root), *extra, *(["--ckpt-path", ckpt] if ckpt else [])]
+        assert_ok(run_unifit(*args, timeout=120))
+        return metrics_lines(root)
+
+    fsdp, ddp = run("fsdp", tmp_path / "fsdp"), run("ddp", tmp_path / "ddp")
+    assert [m["train/loss"] for m in fsdp] == pytest.approx([m["train/loss"] for m in ddp], rel=1e-5)
+    run("fsdp", tmp_path / "part", "--trainer.max_epochs", "1")
+    resumed = run("fsdp", tmp_path / "part", ckpt="last")
+    assert [m["train/loss"] for m in resumed] == pytest.approx([m["train/loss"] for m in fsdp], rel=1e-9)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("settings, message", [
     ({"strategy_options": {"wrap": ["TransformerBlock"]}},

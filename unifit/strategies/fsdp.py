@@ -133,7 +133,11 @@ class FSDPStrategy(DDPStrategy):
         return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("shard",))
 
     def _units(self, model: Any) -> list[Any]:
-        """The submodules sharded on their own, innermost first (fully_shard wants children before parents)."""
+        """The submodules sharded as units, innermost first (fully_shard wants children before parents);
+        units that share a parameter (tied embedding and output weights) are sharded as one group."""
+        return _tied_together(self._unit_modules(model))
+
+    def _unit_modules(self, model: Any) -> list[Any]:
         wanted = self.options.wrap
         if wanted is None:
             return list(_children_with_parameters(model))
@@ -229,6 +233,18 @@ def _is_sharded(module: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _tied_together(units: list[Any]) -> list[Any]:
+    """Each unit, or a list of the units that share parameters (fully_shard([a, b]): one group)."""
+    groups: list[tuple[list[Any], set[int]]] = []
+    for unit in units:
+        modules, ids = [unit], {id(p) for p in unit.parameters()}
+        for group in [g for g in groups if g[1] & ids]:
+            groups.remove(group)
+            modules, ids = group[0] + modules, group[1] | ids
+        groups.append((modules, ids))
+    return [modules[0] if len(modules) == 1 else modules for modules, _ in groups]
 
 
 def _children_with_parameters(module: Any) -> Iterator[Any]:
