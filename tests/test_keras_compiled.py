@@ -42,6 +42,32 @@ def _close(a, b, tol=1e-5):
 
 
 @pytest.mark.timeout(240)
+def test_a_batched_pipeline_trains_with_its_own_batch_size(tmp_path):
+    """keras-io's habit: the user's tf.data pipeline ends in .batch(n) (and a map after it). Without
+    trainer.batch_size unifit adopts n and trains as model.fit on that dataset; a different batch_size is
+    refused in one line."""
+    import tensorflow as tf
+
+    import unifit
+    from unifit.errors import ConfigError
+
+    model = compiled_model("objects")
+    initial = model.get_weights()
+    x, y = arrays(N_TRAIN, seed=1)
+    pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(N_TRAIN).map(lambda a, b: (a * 2.0, b))
+    state = unifit.Trainer(max_epochs=EPOCHS, root_dir=str(tmp_path), progress_bar=False,
+                           seed=0).fit(model, data={"train": pipeline})
+    assert state.progress.global_batch == N_TRAIN and state.progress.steps_per_epoch == 1
+    reference = compiled_model("objects")
+    reference.set_weights(initial)
+    reference.fit(pipeline, epochs=EPOCHS, shuffle=False, verbose=0)
+    _close(model.get_weights(), reference.get_weights())
+    with pytest.raises(ConfigError, match=rf"batched by {N_TRAIN} but trainer.batch_size is 4; leave"):
+        unifit.Trainer(max_epochs=1, batch_size=4, root_dir=str(tmp_path / "b"), progress_bar=False).fit(
+            compiled_model("objects"), data={"train": pipeline})
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("form, metric", [("objects", "sparse_categorical_accuracy"), ("strings", "accuracy")])
 def test_single_equals_model_fit(tmp_path, form, metric):
     model = compiled_model(form)
@@ -189,7 +215,9 @@ def test_bad_input_is_refused_in_one_line():
     model = _sequential()
     model.compile(optimizer="sgd", loss=loss)
     _refused(model, "a keras.Model brings no data", "data=(x, y)")
-    _refused(model, "looks batched", "unbatch()", data=tf.data.Dataset.from_tensor_slices(xy).batch(8))
+    batched_elsewhere = tf.data.Dataset.from_generator(
+        lambda: iter([xy]), output_signature=(tf.TensorSpec((None, 4), tf.float32), tf.TensorSpec((None,), tf.int64)))
+    _refused(model, "looks batched", "by something other than .batch()", "unbatch()", data=batched_elsewhere)
     _refused(model, "keys ['training']", data={"training": xy})
 
     class Subclassed(keras.Model):  # no get_config/from_config that rebuild it

@@ -195,7 +195,9 @@ def test_bad_pipelines_are_refused_in_one_line(tmp_path):
 
     x, y = _xy(8, seed=0)
     cases = [(tf.data.Dataset.from_tensor_slices((x, y)).repeat(), "endless", "remove .repeat()"),
-             (tf.data.Dataset.from_tensor_slices((x, y)).batch(4), "looks batched", "unbatch()"),
+             (tf.data.Dataset.from_generator(lambda: iter([(x, y)]), output_signature=(
+                 tf.TensorSpec((None, 1), tf.float32), tf.TensorSpec((None,), tf.float32))),
+              "looks batched", "unbatch()"),
              (tf.data.Dataset.from_tensor_slices((x, y, y, y)), "a tuple of 4", "(x, y, sample_weight)"),
              (tf.data.Dataset.from_tensor_slices((x, y, x)), "sample weights have element shape (1,)", "scalar"),
              ((x, y, x), "sample weights have shape (8, 1)", "(n,)")]

@@ -87,9 +87,11 @@ class EpochSummary(Callback):
 
     def on_setup(self, ctx: Any) -> None:
         cfg = ctx.config
+        adopted = f" (batch_size {cfg.batch_size} from {cfg.batch_size_from})" if cfg.batch_size_from else ""
         self._print(f"unifit: strategy {cfg.strategy}, world size {ctx.world_size}, "
-                    f"global batch {ctx.global_batch}, "
-                    f"{ctx.batches_per_epoch} batches/epoch per rank")
+                    f"global batch {ctx.global_batch}{adopted}, "
+                    f"{ctx.batches_per_epoch} batches/epoch per rank, {ctx.threads} CPU thread"
+                    f"{'s' if ctx.threads != 1 else ''} per rank")
 
     def on_epoch_end(self, ctx: Any) -> None:
         self._print(f"epoch {ctx.state.epoch}/{ctx.config.max_epochs}  step {ctx.state.global_step}  "

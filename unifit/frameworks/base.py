@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Callable, Any, Iterable
@@ -30,6 +31,11 @@ class Engine(ABC):
     def global_batch(self) -> int:
         """Samples per optimizer step over all replicas: the one number LR scaling and logs use."""
         return self.config.batch_size * self.replicas * self.config.accumulate_grad_batches
+
+    @property
+    def threads(self) -> int:
+        """CPU threads this rank computes with (the launcher shares a node's CPUs out: OMP_NUM_THREADS)."""
+        return int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or os.cpu_count() or 1
 
     def _rank_data(self, data: Any) -> tuple[Any, bool]:
         """(data, already sharded): data split by file (unifit.data.FileShards) is loaded for this rank only."""

@@ -69,6 +69,11 @@ class Strategy(ABC):
         return self.env.rank == 0
 
     # ---- life cycle --------------------------------------------------------------------
+    def claim_process(self) -> None:
+        """What the framework must be told before its first operation in this process (TensorFlow's
+        logical devices and collectives), done when the Trainer is made: a script that makes its Trainer
+        first, before building its model or data, keeps that promise. Nothing by default."""
+
     def setup(self) -> None:
         """Start communication (process groups, devices). Called once per fit."""
 

@@ -6,7 +6,9 @@ it was written for GPUs but verified on CPU (gloo) only on the machines unifit i
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import itertools
 import logging
 from typing import Any, ContextManager, Literal
 
@@ -29,6 +31,16 @@ class DDPOptions(BaseModel):
     bucket_cap_mb: PositiveFloat = 25.0
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_GROUPS_MADE = itertools.count()  # process groups this process has made from torchrun's store
 
 
 class DDPStrategy(TorchDistributedStrategy, TorchTraining):
@@ -87,7 +99,9 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
     def _torchrun_store(self) -> dict[str, Any]:
         """torchrun's store, its keys prefixed by the restart attempt: after `--max-restarts` restarts
         the ranks, the agent's store still holds the last attempt's addresses, and gloo would connect to
-        the dead ranks (torch 2.13: connectFullMesh 'Connection refused' in the restarted group)."""
+        the dead ranks (torch 2.13: connectFullMesh 'Connection refused' in the restarted group). The same
+        holds for a second fit in one process (a script that trains twice): each group made here gets its
+        own prefix too, numbered alike on every rank because every rank runs the same fits in order."""
         import os
 
         import torch.distributed as dist
@@ -97,18 +111,21 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
                               is_master=not agent_store and self.rank == 0,
                               timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return {"store": dist.PrefixStore(f"unifit/attempt_{attempt}", store), "rank": self.rank,
+        prefix = f"unifit/attempt_{attempt}/group_{next(_GROUPS_MADE)}"
+        return {"store": dist.PrefixStore(prefix, store), "rank": self.rank,
                 "world_size": self.world_size}
 
     def teardown(self) -> None:
+        """The side groups made for this fit go; the default group stays to the end of the process (as in
+        Lightning): the user's module may hold DTensors on it after fsdp, and a script may fit again."""
         import torch.distributed as dist
 
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        elif dist.is_initialized():  # the user's group stays; the side groups made for this fit go
+        if dist.is_initialized():
             for group in (self._barrier_group, self._host_group):
                 if group is not None:
                     dist.destroy_process_group(group)
+        if self._owns_group:
+            atexit.register(_destroy_default_group)
         self._owns_group = False
         self._barrier_group = self._host_group = None
 

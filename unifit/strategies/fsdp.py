@@ -43,6 +43,12 @@ class FSDPOptions(BaseModel):
         None, description="class names of the submodules sharded as units (e.g. [TransformerBlock]); "
                           "default: each child module of the model (containers are looked into)")
     cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in host memory (GPU only)")
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="with precision bf16-mixed: the dtype parameters are gathered in for forward and backward "
+                            "(autocast computes in bfloat16 either way; gradients are reduced in float32). bfloat16 "
+                            "halves the all-gather traffic and the unsharded parameters' memory; on CPU, whose "
+                            "autocast leaves norm layers to their inputs' dtype, it fails on modules that mix float32 "
+                            "activations with bfloat16 norm weights. auto: bfloat16 on GPUs, float32 on CPU")
 
 
 class FSDPStrategy(DDPStrategy):
@@ -52,6 +58,7 @@ class FSDPStrategy(DDPStrategy):
     Options = FSDPOptions
     routes_all_steps = True
     _checkpoint_group: Any = None
+    _views: "_ViewOutputs | None" = None
 
     def setup(self) -> None:
         super().setup()
@@ -77,7 +84,7 @@ class FSDPStrategy(DDPStrategy):
     def teardown(self) -> None:
         import torch.distributed as dist
 
-        if self._checkpoint_group is not None and not self._owns_group and dist.is_initialized():
+        if self._checkpoint_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._checkpoint_group)
         self._checkpoint_group = None
         super().teardown()
@@ -115,14 +122,33 @@ class FSDPStrategy(DDPStrategy):
         mesh = self._mesh(device)
         settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": opts.reshard_after_forward,
                                     "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1))}
-        if self.precision.name == "bf16-mixed":
+        if self.precision.name == "bf16-mixed" and self._param_dtype(device) == "bfloat16":
             settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if opts.cpu_offload:
             settings["offload_policy"] = CPUOffloadPolicy()
         for unit in units:
             fully_shard(unit, **settings)
         fully_shard(step_module, **settings)  # the root: what no unit holds, and the step's entry
+        for rnn in (m for m in step_module.modules() if isinstance(m, torch.nn.RNNBase)):
+            rnn.register_forward_pre_hook(_gathered_rnn_weights)
+        self._views = _ViewOutputs([(f"{type(step_module.module).__name__}'s step", step_module),
+                                    *((_unit_name(unit), unit) for unit in units)])
+        if self.is_global_zero:
+            gathered = self._param_dtype(device) if self.precision.name == "bf16-mixed" else "float32"
+            log.info("fsdp: %d unit(s) sharded (%s), parameters gathered in %s", len(units),
+                     ", ".join(sorted({_unit_name(u) for u in units})) or "the root only", gathered)
         return step_module
+
+    def _param_dtype(self, device: Any) -> str:
+        """bf16-mixed: the dtype parameters are gathered in (auto: bfloat16 on GPUs, float32 on CPU)."""
+        if self.options.param_dtype != "auto":
+            return self.options.param_dtype
+        return "bfloat16" if device.type == "cuda" else "float32"
+
+    def backward(self, loss: Any) -> None:
+        if self._views is not None:
+            self._views.check_unmodified()  # an in-place op on a unit's view output would skip its all-gather
+        super().backward(loss)
 
     def _mesh(self, device: Any) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
@@ -172,7 +198,24 @@ class FSDPStrategy(DDPStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         owner = sharded_state.state_module(module)
-        return {"model": get_model_state_dict(owner), "optimizer": get_optimizer_state_dict(owner, optimizer)}
+        model = get_model_state_dict(owner)
+        self._rank_zero_replicas(model)
+        return {"model": model, "optimizer": get_optimizer_state_dict(owner, optimizer)}
+
+    def _rank_zero_replicas(self, model: dict[str, Any]) -> None:
+        """What FSDP does not shard (buffers: BatchNorm's running statistics) each rank kept from its own
+        batches, and DCP writes one rank's copy, not always rank 0's: rank 0's are made every rank's first,
+        so a resume restores on every rank what rank 0 had (DDP copies rank 0's buffers every step)."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        plain = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)}
+        if not plain:
+            return
+        zero = self.broadcast_object({k: v.detach().cpu() for k, v in plain.items()} if self.is_global_zero else None)
+        with torch.no_grad():
+            for key, value in zero.items():
+                plain[key].copy_(value)
 
     def start_sharded_write(self, state: dict[str, Any], url: str,
                             storage_options: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:
@@ -219,6 +262,60 @@ class FSDPStrategy(DDPStrategy):
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+class _ViewOutputs:
+    """FSDP2 registers each unit's pre-backward hook (which gathers its parameters for backward) on the
+    unit's outputs; an in-place op on an output that is a view drops that hook, so the unit's backward
+    would run on sharded parameters: an error at best, wrong gradients at worst. torch only warns, on
+    every view returned, whether or not it is ever modified. This records the views each unit returns
+    and their version counters, and before backward refuses, in one line, a step that modified one in
+    place (torch's warning is silenced: this check replaces it)."""
+
+    def __init__(self, units: list[tuple[str, Any]]) -> None:
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        self.seen: list[tuple[str, Any, int]] = []
+        for name, unit in units:
+            for module in unit if isinstance(unit, list) else [unit]:
+                module.register_forward_hook(functools.partial(self._record, name))
+
+    def _record(self, name: str, module: Any, args: Any, output: Any) -> None:
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        for tensor in _tensors(output):
+            if tensor.requires_grad and tensor._base is not None:
+                self.seen.append((name, tensor, tensor._version))
+
+    def check_unmodified(self) -> None:
+        seen, self.seen = self.seen, []
+        for name, tensor, version in seen:
+            if tensor._version != version:
+                raise ConfigError(
+                    f"fsdp: the output of {name} (an FSDP unit; the output is a view) was modified in place before "
+                    "backward; FSDP2 then skips gathering that unit's parameters for backward (wrong gradients): use "
+                    "out-of-place ops on it (out = out + y, not out += y) or .clone() it first")
+
+
+def _tensors(output: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
+
+
+def _unit_name(unit: Any) -> str:
+    modules = unit if isinstance(unit, list) else [unit]
+    return "+".join(type(m).__name__.removeprefix("FSDP") for m in modules)
+
+
 def _placement(parameter: Any, ranks: int) -> Any:
     """Shard along dim 0 (FSDP's default), unless it has fewer rows than ranks (a Linear(256, 1)'s
     weight would sit on one rank): then along the largest dimension, so every rank holds ~1/N."""
@@ -247,17 +344,20 @@ def _tied_together(units: list[Any]) -> list[Any]:
     return [modules[0] if len(modules) == 1 else modules for modules, _ in groups]
 
 
-def _children_with_parameters(module: Any) -> Iterator[Any]:
-    """Each child holding parameters; a container (ModuleList, Sequential, a wrapper with one child
-    and no parameters of its own) is looked into instead of sharded whole."""
+def _children_with_parameters(module: Any, in_container: bool = False) -> Iterator[Any]:
+    """The default units, as torchtitan shards a transformer (each block, the embedding, the head): each
+    element of a container (ModuleList, Sequential, ModuleDict: the repeated blocks) and each module with
+    parameters of its own; a module without parameters of its own outside a container (a LightningModule's
+    `self.model`, a Hugging Face model's body) is looked into, so a wrapped model is never one unit."""
     for child in module.children():
         if not any(True for _ in child.parameters()):
             continue
-        own = any(True for _ in child.parameters(recurse=False))
-        if type(child).__name__ in _CONTAINERS or (not own and len(list(child.children())) == 1):
-            yield from _children_with_parameters(child)
-        else:
+        if type(child).__name__ in _CONTAINERS:
+            yield from _children_with_parameters(child, in_container=True)
+        elif in_container or any(True for _ in child.parameters(recurse=False)):
             yield child
+        else:
+            yield from _children_with_parameters(child)
 
 
 @contextlib.contextmanager
@@ -268,3 +368,16 @@ def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
         yield
     finally:
         wrapped.set_requires_gradient_sync(True)
+
+
+def _gathered_rnn_weights(rnn: Any, args: Any) -> Any:
+    """nn.LSTM/GRU/RNN call their kernel with a cached list of their weights (_flat_weights), filled when
+    the module was built; FSDP2 swaps the parameters in and out without refreshing it, so the kernel got
+    the sharded DTensors ('mixed torch.Tensor and DTensor'). Runs after FSDP's own pre-forward gathered them.
+    The initial hidden state too: PyTorch's idiom `next(self.parameters()).new_zeros(...)`, called outside
+    forward, makes a DTensor of a sharded parameter; it is gathered (every rank runs this forward)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    rnn._flat_weights = [getattr(rnn, name, None) for name in rnn._flat_weights_names]
+    return tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, args)

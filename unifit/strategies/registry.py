@@ -98,6 +98,16 @@ def create(name: str, env: "ClusterEnvironment", **kwargs: object) -> "Strategy"
     return cls(env, **kwargs)
 
 
+def claim_process(name: str, env: "ClusterEnvironment", **kwargs: object) -> None:
+    """What strategy `name` must set up before its framework's first operation in this process (when
+    the Trainer is made); strategies that need nothing are not even created."""
+    from unifit.strategies.base import Strategy
+
+    cls = load_object(entry(name).strategy, field="trainer.strategy")
+    if cls.claim_process is not Strategy.claim_process:
+        cls(env, **kwargs).claim_process()
+
+
 def launcher(name: str) -> "Launcher":
     return load_object(entry(name).launcher, field="trainer.strategy")(name)
 

@@ -32,12 +32,17 @@ from unifit.strategies.keras_training import KerasTraining
 from unifit.strategies.watchdog import CollectiveWatchdog
 
 
+_TF_STARTED = ("TensorFlow started before the Trainer was made (a model, layer, tensor or tf.data pipeline was "
+               "built first); make the Trainer at the top of the script, before anything else uses TensorFlow")
+
+
 class TFDistributeStrategy(Strategy, KerasTraining):
     tf_strategy: Any = None
     watchdog: CollectiveWatchdog | None = None
 
     def setup(self) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.claim_process()
         self.tf_strategy = self._make()
         if self.world_size > 1:
             self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank))
@@ -128,7 +133,11 @@ class MirroredStrategy(TFDistributeStrategy):
     name = "mirrored"
     Options = MirroredOptions
 
-    def _make(self) -> Any:
+    def claim_process(self) -> None:
+        """Split the CPU into `devices` logical devices, which TensorFlow allows only before it starts."""
+        self._devices()
+
+    def _devices(self) -> list[str]:
         import tensorflow as tf
 
         wanted = self.options.devices
@@ -139,23 +148,26 @@ class MirroredStrategy(TFDistributeStrategy):
             if wanted and wanted > len(gpus):
                 raise ConfigError(f"trainer.strategy_options.devices: received {wanted}, but only {len(gpus)} GPUs are "
                                   f"visible; set devices to at most {len(gpus)} (or leave it out to use all)")
-            names = [f"/gpu:{i}" for i in range(wanted or len(gpus))]
-        else:
-            count = wanted or 1
-            cores = os.cpu_count() or 1
-            if count > cores:
-                raise ConfigError(f"trainer.strategy_options.devices: received {count}, but this machine has {cores} "
-                                  f"CPU cores; set devices to at most {cores} logical CPU devices")
-            cpu = tf.config.list_physical_devices("CPU")[0]
-            try:
-                tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-            except RuntimeError:
-                have = len(tf.config.list_logical_devices("CPU"))
-                if have != count:
-                    raise ConfigError(f"trainer.strategy_options.devices: {count} logical CPUs were asked for after "
-                                      f"TensorFlow had started with {have}; create the Trainer before using TensorFlow") from None
-            names = [f"/cpu:{i}" for i in range(count)]
-        return _fresh_collective_keys(tf.distribute.MirroredStrategy, devices=names)
+            return [f"/gpu:{i}" for i in range(wanted or len(gpus))]
+        count = wanted or 1
+        cores = os.cpu_count() or 1
+        if count > cores:
+            raise ConfigError(f"trainer.strategy_options.devices: received {count}, but this machine has {cores} "
+                              f"CPU cores; set devices to at most {cores} logical CPU devices")
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have != count:
+                raise ConfigError(f"trainer.strategy_options.devices: {count} logical CPUs were asked for, but "
+                                  f"{_TF_STARTED} (it started with {have})") from None
+        return [f"/cpu:{i}" for i in range(count)]
+
+    def _make(self) -> Any:
+        import tensorflow as tf
+
+        return _fresh_collective_keys(tf.distribute.MirroredStrategy, devices=self._devices())
 
 
 _strategies_made = itertools.count()
@@ -175,12 +187,27 @@ def _fresh_collective_keys(cls: Any, **kwargs: Any) -> Any:
     return strategy
 
 
+# TensorFlow sets up its collectives once per process: the MultiWorkerMirroredStrategy made first (when
+# the Trainer was made) serves every fit of this process
+_MWMS: dict[str, Any] = {}
+
+
 class MWMSStrategy(TFDistributeStrategy):
     """tf.distribute.MultiWorkerMirroredStrategy: one process per worker, cluster from TF_CONFIG."""
 
     name = "mwms"
 
+    def claim_process(self) -> None:
+        """Create the strategy now: TensorFlow configures collectives only at program start-up."""
+        self._make()
+
     def _make(self) -> Any:
+        key = os.environ.get("TF_CONFIG", "")
+        if key not in _MWMS:
+            _MWMS[key] = self._connect()
+        return _MWMS[key]
+
+    def _connect(self) -> Any:
         import logging
 
         import tensorflow as tf
@@ -201,6 +228,10 @@ class MWMSStrategy(TFDistributeStrategy):
         watchdog = self._watchdog()
         try:
             return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        except RuntimeError as exc:
+            if "must be configured at program startup" in str(exc):
+                raise ConfigError(f"trainer.strategy: mwms: {_TF_STARTED}") from None
+            raise
         finally:
             watchdog.kill()
             watchdog.wait()

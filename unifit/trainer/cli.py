@@ -4,6 +4,7 @@
     unifit validate | test | predict -c exp.yaml [--ckpt-path best|last|DIR] [--output predictions.pt]
     unifit print-config -c exp.yaml [overrides]
     unifit launch --nproc-per-node 2 [--nnodes N --node-rank R --rdzv-endpoint H:P] -c exp.yaml [overrides]
+    unifit launch --nproc-per-node 2 --strategy ddp -- train.py [script args]   (a script that makes a Trainer)
     unifit plot RUN_DIR [RUN_DIR ...] -o curves.png
 
 User errors print one line and exit 2 (1 for failures during training); UNIFIT_DEBUG=1 shows tracebacks.
@@ -20,6 +21,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Sequence
 
 from unifit.errors import ConfigError, UnifitError, error_prefix, first_line
+from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
 
 if TYPE_CHECKING:
     from unifit.strategies.environment import ClusterEnvironment
@@ -31,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unifit", description="Train a unifit module from a YAML experiment file.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def experiment_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("-c", "--config", required=True, help="experiment YAML file")
+    def experiment_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+        p.add_argument("-c", "--config", required=required, help="experiment YAML file")
         p.epilog = "Any config field can be overridden with a dotted flag, e.g. --trainer.max_epochs 3."
 
     fit = sub.add_parser("fit", help="train (in this process; under torchrun/horovodrun in each rank)")
@@ -41,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("print-config", help="print the fully resolved config")
     experiment_args(show)
     launch = sub.add_parser("launch", help="start the processes of the configured strategy (torchrun, ...)")
-    experiment_args(launch)
+    experiment_args(launch, required=False)
+    launch.add_argument("--strategy", default=None,
+                        help="with '-- SCRIPT.py [ARGS]' instead of -c: the strategy whose processes run the script "
+                             "(its Trainer takes this strategy when it names none)")
     for stage in ("validate", "test", "predict"):
         run = sub.add_parser(stage, help=f"{stage} with a checkpoint's weights, sharded over the ranks")
         experiment_args(run)
@@ -166,15 +171,16 @@ def _seed_init(seed: int) -> None:
         torch.manual_seed(seed)
 
 
-def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[str]) -> int:
+def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[str], script: list[str]) -> int:
     from unifit.strategies import registry
     from unifit.strategies.launchers.base import LaunchSpec
 
-    experiment = load_experiment(args.config, overrides)
+    strategy = _script_strategy(args, overrides, script) if script else load_experiment(args.config, overrides).trainer.strategy
     spec = LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                       master_addr=args.master_addr, master_port=args.master_port,
                       rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args, command=args.run,
-                      hosts=args.hosts.split(",") if args.hosts else None, max_restarts=args.max_restarts)
+                      hosts=args.hosts.split(",") if args.hosts else None, max_restarts=args.max_restarts,
+                      script=script, env={LAUNCH_STRATEGY_ENV: strategy} if script else {})
     if args.output and args.run != "predict":
         raise ConfigError(f"--output {args.output}: only --run predict writes predictions (received --run {args.run})")
     if spec.max_restarts < 0:
@@ -183,7 +189,27 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
         spec = dataclasses.replace(spec, nnodes=len(spec.hosts))
     if spec.nproc_per_node < 1 or spec.nnodes < 1:
         raise ConfigError(f"--nproc-per-node {spec.nproc_per_node} --nnodes {spec.nnodes}: both must be >= 1")
-    return registry.launcher(experiment.trainer.strategy).launch(spec)
+    return registry.launcher(strategy).launch(spec)
+
+
+def _script_strategy(args: argparse.Namespace, overrides: dict[str, str], script: list[str]) -> str:
+    """`unifit launch --strategy NAME -- SCRIPT.py [ARGS]`: the strategy, once the script is checked."""
+    from unifit.strategies import registry
+
+    if args.config:
+        raise ConfigError(f"unifit launch: received -c {args.config} and a script ({script[0]}); give one: -c exp.yaml "
+                          "runs the experiment, '-- SCRIPT.py' runs a script that makes its own Trainer")
+    if overrides or args.run != "fit" or args.output or args.ckpt_path:
+        raise ConfigError("unifit launch -- SCRIPT.py: the script sets its own options (Trainer(...), fit(...)); "
+                          "overrides, --run, --output and --ckpt-path apply to -c exp.yaml only")
+    if not args.strategy:
+        raise ConfigError(f"unifit launch -- {script[0]}: name the strategy whose processes run it, e.g. "
+                          f"unifit launch --nproc-per-node 2 --strategy ddp -- {' '.join(script)}")
+    if not script[0].endswith(".py") or not os.path.isfile(script[0]):
+        raise ConfigError(f"unifit launch -- {script[0]}: not a Python script file; give the path of a .py file "
+                          "(each process runs it with this Python)")
+    registry.entry(args.strategy)
+    return args.strategy
 
 
 def _log_to_stderr() -> None:
@@ -200,6 +226,10 @@ def _log_to_stderr() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _log_to_stderr()
+    script: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:  # unifit launch [flags] -- SCRIPT.py [ARGS]
+        at = argv.index("--")
+        argv, script = argv[:at], argv[at + 1:]
     args, extra = _parser().parse_known_args(argv)
     try:
         overrides = parse_overrides(extra) if args.command not in ("tensorboard", "plot") else {}
@@ -223,11 +253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve(args.url, host=args.host, port=args.port, refresh_s=args.refresh_s, storage_options=options)
             return 0
         if args.command == "launch":
-            ckpt = args.ckpt_path or ("auto" if args.max_restarts > 0 else None)  # a restarted rank continues
-            fit_args = ["-c", args.config, *extra] + (["--ckpt-path", ckpt] if ckpt else [])
+            if not args.config and not script:
+                raise ConfigError("unifit launch: give -c exp.yaml (the experiment each process runs) or "
+                                  "--strategy NAME -- SCRIPT.py [ARGS] (a script that makes its own Trainer)")
+            if args.strategy and not script:
+                raise ConfigError(f"unifit launch --strategy {args.strategy}: with -c the experiment names the "
+                                  f"strategy; override it with --trainer.strategy {args.strategy}")
+            ckpt = args.ckpt_path or ("auto" if args.max_restarts > 0 and not script else None)  # a restarted rank continues
+            fit_args = ["-c", args.config or "", *extra] + (["--ckpt-path", ckpt] if ckpt else [])
             if args.output:
                 fit_args += ["--output", args.output]
-            return _launch(args, overrides, fit_args)
+            return _launch(args, overrides, fit_args, script)
         if args.command in ("validate", "test", "predict"):
             return _evaluate(args, overrides)
         return _fit(args, overrides)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, PrivateAttr,
+                      model_validator)
 
 
 class _Strict(BaseModel):
@@ -80,7 +81,7 @@ class TrainerConfig(_Strict):
     strategy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen strategy, validated by that strategy (see its docs page).")
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto uses GPUs when present (one per process, by local rank), else CPU.")
     max_epochs: PositiveInt = Field(10, description="Number of epochs to train.")
-    batch_size: PositiveInt = Field(32, description="Batch size per replica; the global batch is batch_size x world size x accumulate_grad_batches.")
+    batch_size: PositiveInt = Field(32, description="Batch size per replica; the global batch is batch_size x world size x accumulate_grad_batches. When not set, a training DataLoader of the module's own gives its batch size (else 32).")
     base_batch_size: PositiveInt | None = Field(None, description="Batch size the module's learning rates were tuned for; default: batch_size (one replica).")
     lr_scaling: Literal["linear", "sqrt", "none"] = Field("linear", description="Multiply the base lr by global/base batch (linear), its square root (sqrt), or not at all.")
     warmup_epochs: NonNegativeFloat = Field(0.0, description="Ramp the lr linearly from base to scaled over this many epochs (per optimizer step).")
@@ -107,6 +108,24 @@ class TrainerConfig(_Strict):
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig, description="See PreemptionConfig.")
     resume: str | None = Field(None, description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.")
     callbacks: list[ClassPath] = Field(default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback).")
+
+    _batch_size_from: str | None = PrivateAttr(None)
+
+    @property
+    def batch_size_given(self) -> bool:
+        """Whether the user set batch_size (else a DataLoader of their own may bring its batch size)."""
+        return "batch_size" in self.model_fields_set and self._batch_size_from is None
+
+    @property
+    def batch_size_from(self) -> str | None:
+        """Where an adopted batch_size came from (None: the user set it, or the default)."""
+        return self._batch_size_from
+
+    def adopting_batch_size(self, batch_size: int, source: str) -> "TrainerConfig":
+        """This config for one fit, with the batch size of the user's own data (`source`)."""
+        adopted = self.model_copy(update={"batch_size": batch_size})
+        adopted._batch_size_from = source
+        return adopted
 
     @model_validator(mode="after")
     def _one_warmup(self) -> "TrainerConfig":

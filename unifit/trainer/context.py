@@ -28,6 +28,7 @@ class FitContext:
     store: CheckpointStore
     last_checkpoint: str | None = None  # the newest checkpoint saved or resumed from (same on every rank)
     resumed_from: str | None = None  # the name of the checkpoint this fit resumed from
+    threads: int = 1  # CPU threads each rank computes with
 
     @property
     def progress(self) -> Progress:

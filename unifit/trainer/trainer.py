@@ -7,6 +7,7 @@ framework axis); it never asks which strategy or framework it is running.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ import numpy as np
 from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError, UnifitError
 from unifit.storage import check_writable
-from unifit.strategies import registry
+from unifit.strategies import environment, registry
+from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
 from unifit.trainer.adapt import set_up
 from unifit.trainer.checkpoint_reading import read_committed
 from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
@@ -62,8 +64,11 @@ class Trainer:
             kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
         if config is not None and kwargs:
             raise ConfigError("Trainer(config, **kwargs): pass either a TrainerConfig or keyword arguments, not both")
-        self.config = config if config is not None else validate_trainer(kwargs)
+        self.config = _launched_strategy(config if config is not None else validate_trainer(kwargs))
         registry.entry(self.config.strategy)  # a registered name, or a Strategy class path importable now
+        cfg = self.config  # what the framework must know before its first operation (TensorFlow's devices)
+        registry.claim_process(cfg.strategy, environment.detect(), accelerator=cfg.accelerator,
+                               collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
         self.experiment: ExperimentConfig | None = None  # set by the command line, saved with the run
         self.state = TrainState()
         self._run: _Run | None = None
@@ -82,6 +87,7 @@ class Trainer:
             strategy.rank_zero_call(self._check_storage)  # a bad bucket or credentials stop every rank now
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
+            cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
             state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
             run = self._run = _Run(engine, strategy, store, Committer(),
                                    self._callbacks(module))
@@ -89,7 +95,8 @@ class Trainer:
                 config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
                 finite_probe=engine.finite_probe, current_lrs=engine.current_lrs,
                 all_reduce_max=strategy.all_reduce_max, save_checkpoint=self.save_checkpoint,
-                model_files=engine.model_files, resolved_config=self._resolved_config(given), store=store)
+                model_files=engine.model_files, resolved_config=self._resolved_config(given, cfg), store=store,
+                threads=engine.threads)
             resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
             if resumed:
                 ctx.last_checkpoint = resumed
@@ -301,12 +308,13 @@ class Trainer:
         for field, url in locations.items():
             check_writable(url, cfg.storage_options, field)
 
-    def _resolved_config(self, module: Any) -> str:
+    def _resolved_config(self, module: Any, cfg: TrainerConfig) -> str:
+        """The experiment as this fit runs it (`cfg`: with an adopted batch size, say)."""
         if self.experiment is not None:
-            return resolved_yaml(self.experiment)
+            return resolved_yaml(self.experiment.model_copy(update={"trainer": cfg}))
         cls = type(module)
         return resolved_yaml(ExperimentConfig(
-            module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=self.config))
+            module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=cfg))
 
 
 # what unifit already does for the callbacks users bring from Keras and Lightning
@@ -329,6 +337,19 @@ def _foreign_callback(i: int, callback: Any) -> str:
     hint = f"use {instead} instead" if instead else "write it as a unifit.Callback subclass (one method per event)"
     return (f"trainer.callbacks[{i}]: received a {type(callback).__module__}.{kind}, which is not a unifit.Callback; "
             f"Keras and Lightning callbacks do not run in unifit's loop: {hint}")
+
+
+def _launched_strategy(config: TrainerConfig) -> TrainerConfig:
+    """In a script started by `unifit launch --strategy NAME -- SCRIPT.py`: that strategy, unless the
+    script names one itself, which must then be the same."""
+    launched = os.environ.get(LAUNCH_STRATEGY_ENV)
+    if not launched or config.strategy == launched:
+        return config
+    if "strategy" in config.model_fields_set:
+        raise ConfigError(f"trainer.strategy: the script asks for '{config.strategy}', but it was started by "
+                          f"`unifit launch --strategy {launched}`; leave strategy out of the script's Trainer (the "
+                          f"launch decides) or launch it with --strategy {config.strategy}")
+    return config.model_copy(update={"strategy": launched})
 
 
 def _state_keys(callbacks: list[Callback]) -> list[tuple[str, Callback]]:

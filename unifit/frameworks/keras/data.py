@@ -19,10 +19,36 @@ from unifit.errors import ConfigError, first_line
 _AUTOSHARD = tf.data.experimental.AutoShardPolicy
 
 
+# tf.data's batching datasets (.batch(), .padded_batch(), .batch(num_parallel_calls=...)), whose batch size
+# unifit reads to unbatch a pipeline the user batched (keras-io's habit, image_dataset_from_directory's default)
+_BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
+# what may follow the .batch() and still leave whole batches of its elements (an .unbatch(), a flat_map or
+# anything else unknown ends the search: that pipeline is taken as it is)
+_PER_BATCH = ("_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "CacheDataset", "_ShuffleDataset",
+              "_TakeDataset", "_SkipDataset", "_FilterDataset", "_OptionsDataset", "_AssertCardinalityDataset",
+              "_IgnoreErrorsDataset")
+
+
+def batch_size_of(dataset: Any) -> int | None:
+    """The batch size of the last .batch() in a pipeline (per-batch steps after it looked through), or None."""
+    node = dataset
+    while type(node).__name__ in _PER_BATCH:
+        node = getattr(node, "_input_dataset", None)
+    return int(node._batch_size) if type(node).__name__ in _BATCHING else None
+
+
+def unbatched(data: Any) -> tuple[Any, int | None]:
+    """(dataset, its batch size): a pipeline the user batched is unbatched (unifit batches per replica
+    itself; what ran per batch, a map after .batch(), still runs per batch), anything else is as it was."""
+    size = batch_size_of(data) if isinstance(data, tf.data.Dataset) else None
+    return (data.unbatch(), size) if size is not None else (data, None)
+
+
 def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
-    """(x, y) or (x, y, sample_weight) arrays; a finite, unbatched tf.data.Dataset is read into arrays
+    """(x, y) or (x, y, sample_weight) arrays; a finite tf.data.Dataset is read into arrays
     (only validate/test/predict still do this; fit keeps a dataset lazy, see LazyData)."""
     if isinstance(data, tf.data.Dataset):
+        data = unbatched(data)[0]
         check_dataset(data, what)
         data = tuple(np.stack(column) for column in zip(*data.as_numpy_iterator()))
     if isinstance(data, (tuple, list)) and len(data) > 3:
@@ -48,10 +74,11 @@ def check_dataset(data: Any, what: str) -> None:
         raise ConfigError(f"{what}: the tf.data.Dataset's elements are {shown}; give elements (x, y) or "
                           "(x, y, sample_weight), e.g. dataset.map(lambda d: (d['x'], d['y']))")
     flat = tf.nest.flatten(spec)
-    if flat and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in flat):
+    if batch_size_of(data) is None and flat and all(
+            getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in flat):
         raise ConfigError(f"{what}: the tf.data.Dataset looks batched (element shapes "
-                          f"{[tuple(s.shape) for s in flat]}); pass it unbatched (dataset.unbatch(), or drop its "
-                          ".batch()): unifit batches per replica itself with trainer.batch_size")
+                          f"{[tuple(s.shape) for s in flat]}) by something other than .batch(); pass it unbatched "
+                          "(dataset.unbatch()): unifit batches per replica itself with trainer.batch_size")
     if len(spec) == 3 and getattr(spec[2], "shape", None) is not None and spec[2].shape.rank not in (None, 0):
         raise ConfigError(f"{what}: sample weights have element shape {tuple(spec[2].shape)}; give one scalar weight "
                           "per element")
@@ -71,6 +98,7 @@ class LazyData:
 
     def __init__(self, dataset: Any, what: str, rank: int, world: int) -> None:
         check_dataset(dataset, what)
+        dataset = unbatched(dataset)[0]
         self.what = what
         self.policy = "none"
         if world > 1:

@@ -40,7 +40,7 @@ import tensorflow as tf  # noqa: E402
 from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
-from unifit.frameworks.keras.data import LazyData  # noqa: E402
+from unifit.frameworks.keras.data import LazyData, unbatched  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
 from unifit.frameworks.keras.lr import with_policy  # noqa: E402
@@ -58,9 +58,10 @@ class KerasEngine(KerasEvaluation, Engine):
             raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
                               "is implemented for PyTorch modules only); raise batch_size instead")
         self.precision = make_precision(cfg.precision)
-        self._set_up_replicas()
-
         train, presharded = self._rank_data(self.data.train_dataset())
+        train, batched_by = unbatched(train)
+        cfg = self.config = self._adopt_batch_size(batched_by)
+        self._set_up_replicas()
         self.train_presharded = presharded
         self.train_lazy = self.val_lazy = None
         self.train_arrays = self.val_arrays = None
@@ -119,6 +120,18 @@ class KerasEngine(KerasEvaluation, Engine):
         self._train_fn = tf.function(self._distributed_step(train=True))
         self._val_fn = tf.function(self._distributed_step(train=False))
         self._untried = {"training", "validation"} if cfg.compile else set()  # XLA compiles at the first call
+
+    def _adopt_batch_size(self, batched_by: int | None) -> Any:
+        """The run's config, with the batch size of a pipeline the user batched when trainer.batch_size was
+        not set (both set and different: refused)."""
+        cfg = self.config
+        if batched_by is None or batched_by == cfg.batch_size and cfg.batch_size_given:
+            return cfg
+        if cfg.batch_size_given:
+            raise ConfigError(f"train_dataset(): the tf.data pipeline is batched by {batched_by} but trainer.batch_size "
+                              f"is {cfg.batch_size}; leave trainer.batch_size unset to use the pipeline's, set it to "
+                              f"{batched_by}, or change the pipeline's .batch()")
+        return cfg.adopting_batch_size(batched_by, "the tf.data pipeline's .batch()")
 
     def _set_up_replicas(self) -> None:
         self.dist = getattr(self.strategy, "tf_strategy", None) or tf.distribute.get_strategy()

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from unifit.errors import ConfigError
-from unifit.frameworks.keras.data import arrays
+from unifit.frameworks.keras.data import arrays, unbatched
 from unifit.frameworks.keras.precision import make_precision
 
 # stage -> (the data provider's method, the module's step, the metrics' prefix)
@@ -119,9 +119,9 @@ def read_tf_files(files: dict[str, bytes], checkpoint: Any) -> Any:
 
 
 def _inputs(data: Any, what: str) -> tuple[np.ndarray, ...]:
-    """What predict reads: x alone, (x,), (x, y, ...) or an unbatched tf.data.Dataset of them; only x is used."""
+    """What predict reads: x alone, (x,), (x, y, ...) or a tf.data.Dataset of them; only x is used."""
     if isinstance(data, tf.data.Dataset):
-        data = tuple(np.stack(column) for column in zip(*data.as_numpy_iterator()))
+        data = tuple(np.stack(column) for column in zip(*unbatched(data)[0].as_numpy_iterator()))
     if isinstance(data, (tuple, list)):
         data = data[0]
     x = np.asarray(data)

@@ -57,16 +57,17 @@ class TorchEngine(TorchEvaluation, Engine):
 
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
+        cfg = self.config = self._adopt_batch_size(train)
         shards = (1, 0) if presharded else (strategy.world_size, strategy.rank)
         self._stream = iterable.is_stream(train)
         if self._stream:  # an IterableDataset: batches dealt to ranks and workers (iterable.py)
             self.train_loader = iterable.stream_loader(
                 train, "train_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1], train=True,
                 limit=cfg.limit_train_batches, num_workers=cfg.num_workers, pin_memory=pin)
-        elif user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampler sharded
+        elif user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampling sharded
             self.train_loader = user_loaders.train_loader_from(
-                train, "train_dataloader()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
-                seed=cfg.seed, drop_last=cfg.drop_last)
+                train, "train_dataloader()", world_size=shards[0], rank=shards[1], seed=cfg.seed,
+                drop_last=cfg.drop_last)
         else:
             self.train_loader = tdata.train_loader(
                 tdata.as_dataset(train, "train_dataset()"), batch_size=cfg.batch_size, world_size=shards[0],
@@ -117,7 +118,26 @@ class TorchEngine(TorchEvaluation, Engine):
         self._plain = (type(self.precision) is Precision and self.accumulate == 1 and cfg.gradient_clip_val is None
                        and all(getattr(type(training), hook) is getattr(TorchTraining, hook)
                                for hook in ("backward", "synchronized_gradients", "optimizer_step")))
-        self._sizes = (cfg.batch_size,) * 2 if self._stream else tdata.batch_sizes(self.train_loader, self._batches)
+        # samples per batch, known at set-up (a batch sampler of the user's may vary them: read from each batch)
+        self._sizes: tuple[int, int] | None = (
+            (cfg.batch_size,) * 2 if self._stream else
+            None if self.train_loader.batch_size is None else tdata.batch_sizes(self.train_loader, self._batches))
+
+    def _adopt_batch_size(self, train: Any) -> Any:
+        """The run's config, with the training DataLoader's batch size when trainer.batch_size was not set."""
+        cfg = self.config
+        loader = train if user_loaders.is_loader(train) else None
+        if loader is None:
+            return cfg
+        if loader.batch_size is None and loader.batch_sampler is None and not iterable.is_stream(loader):
+            raise ConfigError("train_dataloader(): the DataLoader has batch_size=None (its dataset gives whole "
+                              "batches), so unifit cannot shard it by sample; give the DataLoader a batch_size")
+        if user_loaders.loader_batch_size(loader) is None and iterable.is_stream(loader):
+            return cfg  # a stream the loader does not batch: unifit batches it by trainer.batch_size
+        size = user_loaders.check_batch_size(loader, "train_dataloader()",
+                                             cfg.batch_size if cfg.batch_size_given else None)
+        return cfg if size == cfg.batch_size and cfg.batch_size_given else cfg.adopting_batch_size(
+            size, "the training DataLoader")
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -129,6 +149,10 @@ class TorchEngine(TorchEvaluation, Engine):
         return self.val_loader is not None
 
     @property
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    @property
     def optimizer_steps(self) -> int:
         return self._steps
 
@@ -138,7 +162,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if self._stream:  # a stream skips whole batches; a sampler skips sample indices
             self.train_loader.dataset.set_epoch(epoch, skip)
         else:
-            self.train_loader.sampler.set_epoch(epoch, skip * self.config.batch_size)
+            user_loaders.set_epoch(self.train_loader, epoch, skip)
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
         self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
         batches = itertools.islice(self.train_loader, self._batches - skip)  # the loader's own iterator, no layer
@@ -149,7 +173,8 @@ class TorchEngine(TorchEvaluation, Engine):
 
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         # the sampler's batch sizes, known at set-up: the step need not look into the batch
-        count = self._sizes[0] if batch_idx + 1 < self._batches else self._sizes[1]
+        sizes = self._sizes
+        count = (sizes[0] if batch_idx + 1 < self._batches else sizes[1]) if sizes else tdata.batch_size_of(batch)
         self.collector.batch_count = count
         accumulate = self.accumulate
         if self._plain:
@@ -224,6 +249,7 @@ class TorchEngine(TorchEvaluation, Engine):
     # ---- validation ---------------------------------------------------------------------
     def val_batches(self) -> Iterator[Any]:
         self.module.eval()
+        self._rank_zero_buffers()
         limit = self.config.limit_val_batches
         for i, batch in enumerate(self.val_loader):
             if limit is not None and i >= limit:

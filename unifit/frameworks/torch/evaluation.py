@@ -56,6 +56,23 @@ class TorchEvaluation:
                 {k: v.cpu() for k, v in self.module.state_dict().items()} if self.strategy.is_global_zero else None)
             self.module.load_state_dict(state)
 
+    def _rank_zero_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm's running statistics) on every rank before validation, so every rank
+        validates the model rank 0 checkpoints: each rank's buffers followed its own batches (DDP copies rank
+        0's only as a training step starts, FSDP and Horovod never)."""
+        if self.strategy.world_size == 1:
+            return
+        owner = getattr(self.module, "state_module", self.module)  # a LightningModule's own keys
+        names = {name for name, _ in owner.named_buffers()}
+        buffers = {k: v for k, v in owner.state_dict().items() if k in names}
+        if not buffers:
+            return
+        state = self.strategy.broadcast_object(
+            {k: v.detach().cpu() for k, v in buffers.items()} if self.strategy.is_global_zero else None)
+        with torch.no_grad():
+            for key, value in state.items():
+                buffers[key].copy_(value)
+
     def load_weights(self, state: dict[str, Any]) -> None:
         """The checkpoint's model, whole on every rank (one written sharded by fsdp is read whole too)."""
         self.strategy.load_training_state(self.module, None, state, self.config.storage_options)
@@ -68,7 +85,7 @@ class TorchEvaluation:
             yield tdata.to_device(batch, self.device) if self._move else batch
 
     def eval_indices(self) -> Sequence[int]:
-        return self.eval_loader.sampler.indices
+        return user_loaders.shard_indices(self.eval_loader)
 
     def eval_step(self, batch: Any, batch_idx: int) -> Any:
         self.collector.batch_count = tdata.batch_size_of(batch)

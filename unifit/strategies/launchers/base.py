@@ -16,6 +16,10 @@ from typing import Any
 from unifit.errors import ConfigError
 
 
+# `unifit launch --strategy NAME -- SCRIPT.py` tells the script's processes the strategy they were started for
+LAUNCH_STRATEGY_ENV = "UNIFIT_LAUNCH_STRATEGY"
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """What `unifit launch` was asked for."""
@@ -30,6 +34,8 @@ class LaunchSpec:
     max_restarts: int = 0  # restart the whole group this many times after a rank fails (torchrun's elastic agent)
     fit_args: list[str] = field(default_factory=list)  # passed to `unifit <command>` in each process
     command: str = "fit"  # or validate / test / predict
+    script: list[str] = field(default_factory=list)  # or: a Python script (and its arguments) each process runs
+    env: dict[str, str] = field(default_factory=dict)  # more environment for the started processes
 
 
 class Launcher(ABC):
@@ -48,7 +54,7 @@ class Launcher(ABC):
         """Run the command; SIGTERM/SIGINT sent to `unifit launch` are passed on to it (each rank then
         stops at a step boundary with a checkpoint) and the launch exits with 128 + the signal's number."""
         self.check(spec)
-        return run_forwarding_signals(self.command(spec), env=rank_environment())
+        return run_forwarding_signals(self.command(spec), env=rank_environment(extra=spec.env))
 
     def check(self, spec: LaunchSpec) -> None:
         if spec.max_restarts and not self.supports_restarts:
@@ -107,8 +113,8 @@ def failure_line(codes: Mapping[int | str, int], stopped_by: str) -> str:
 
 
 def fit_command(spec: LaunchSpec) -> list[str]:
-    """What each started process runs."""
-    return ["-m", "unifit", spec.command, *spec.fit_args]
+    """What each started process runs (after the Python interpreter): unifit's command, or the script."""
+    return list(spec.script) or ["-m", "unifit", spec.command, *spec.fit_args]
 
 
 # How `unifit launch` tells the processes it starts about the terminal it runs in. A launcher may
@@ -130,11 +136,27 @@ def terminal_of(stream: Any) -> str | None:
         return None
 
 
-def rank_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """`base` (os.environ) with the UNIFIT_TTY variables for the ranks: set when this process's
-    stderr is a terminal, removed when not (a value inherited from an outer launch is stale);
-    a user's own UNIFIT_TTY=1 (always a bar) or 0 (never) passes through unchanged."""
+def threads_per_rank(ranks_per_node: int) -> int:
+    """CPU threads each of this node's ranks computes with: the CPUs this process may use, shared out."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, ranks_per_node))
+
+
+def rank_environment(base: Mapping[str, str] | None = None, ranks_per_node: int = 1,
+                     extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (os.environ) for the ranks: OMP_NUM_THREADS (unless the user set it) sharing this node's
+    CPUs out between its `ranks_per_node` ranks, so they do not oversubscribe them (torchrun would set 1
+    and print a warning banner), and the UNIFIT_TTY variables: set when this process's stderr is a
+    terminal, removed when not (a value inherited from an outer launch is stale); a user's own
+    UNIFIT_TTY=1 (always a bar) or 0 (never) passes through unchanged; `extra` on top."""
     env = dict(os.environ if base is None else base)
+    env.pop(LAUNCH_STRATEGY_ENV, None)  # a launch inside a launched script says its own
+    env.update(extra or {})
+    if ranks_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(ranks_per_node)))
     if env.get(TTY_ENV) in ("0", "1"):
         return env
     for key in TTY_KEYS:
@@ -149,12 +171,13 @@ def rank_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 @contextmanager
-def terminal_announced() -> Iterator[None]:
+def terminal_announced(spec: LaunchSpec) -> Iterator[None]:
     """For launchers that start the ranks from this process with os.environ (torchrun, horovodrun):
-    the UNIFIT_TTY variables in os.environ while they run, the previous values afterwards."""
-    saved = {key: os.environ.get(key) for key in TTY_KEYS}
-    env = rank_environment()
-    for key in TTY_KEYS:
+    rank_environment()'s variables in os.environ while they run, the previous values afterwards."""
+    keys = (*TTY_KEYS, "OMP_NUM_THREADS", *spec.env)
+    saved = {key: os.environ.get(key) for key in keys}
+    env = rank_environment(ranks_per_node=spec.nproc_per_node, extra=spec.env)
+    for key in keys:
         _set_env(key, env.get(key))
     try:
         yield

@@ -46,7 +46,7 @@ class HorovodrunLauncher(Launcher):
         try:
             # the ranks get pipes (each line prefixed, `[0]<stderr>:`) in a session of their own; rank 0
             # draws its bar and epoch lines on the terminal named by UNIFIT_TTY instead (callbacks/progress.py)
-            with terminal_announced():
+            with terminal_announced(spec):
                 run_commandline()
         except RuntimeError as exc:  # horovodrun stopped the other ranks after the first failure
             found = re.search(r"Process name: (\S+)\s+Exit code: (-?\d+)", str(exc))

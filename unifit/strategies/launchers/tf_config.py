@@ -46,7 +46,8 @@ class TFConfigLauncher(Launcher):
         self.check(spec)
         workers, mine = self.cluster(spec)
         procs = []
-        base = rank_environment()  # the workers inherit this terminal; UNIFIT_TTY says so all the same
+        # the workers inherit this terminal (UNIFIT_TTY says so all the same) and their share of its CPUs
+        base = rank_environment(ranks_per_node=len(mine), extra=spec.env)
         for index in mine:
             tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
             env = {**base, "TF_CONFIG": json.dumps(tf_config)}

@@ -7,12 +7,15 @@ and its exit code (2 for a user error) instead of torchrun's traceback.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from typing import Iterator
 
 from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, terminal_announced
 
@@ -65,7 +68,8 @@ class TorchrunLauncher(Launcher):
         linux = hasattr(os, "waitid") and os.path.isdir("/proc")  # how the watch sees this node's ranks
         stuck = _StuckAgentWatch(spec) if spec.nnodes > 1 and linux else None
         try:
-            with terminal_announced():  # the ranks inherit this terminal; UNIFIT_TTY says so all the same
+            # the ranks inherit this terminal (UNIFIT_TTY says so all the same) and their share of its CPUs
+            with terminal_announced(spec), _agent_logs_quiet():
                 run(args)  # torchrun passes SIGTERM/SIGINT on to the ranks and gives them 30 s to stop
         except SignalException as exc:
             print(f"unifit: launch stopped by {exc.sigval.name}; the ranks' own messages are above", file=sys.stderr)
@@ -79,6 +83,24 @@ class TorchrunLauncher(Launcher):
             if stuck is not None:
                 stuck.close()
         return 0
+
+
+@contextlib.contextmanager
+def _agent_logs_quiet() -> Iterator[None]:
+    """torchrun's agent logs what unifit says in its own words (the ranks' errors, then one line naming
+    the rank that failed); its warnings and errors are shown with UNIFIT_DEBUG=1."""
+    if os.environ.get("UNIFIT_DEBUG"):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.run", "torch.distributed.elastic")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 class _StuckAgentWatch:

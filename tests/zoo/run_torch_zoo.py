@@ -1,0 +1,172 @@
+"""The PyTorch zoo, run by every process of one launch: each model, in each precision, trained by unifit
+with the strategy the launch names (`unifit launch --strategy ddp -- tests/zoo/run_torch_zoo.py ...`),
+one Trainer per run, all in this one process (one interpreter start for the whole zoo).
+
+Per run it writes, per rank, what the tests compare: the loss of every micro-batch, the epoch metrics
+and a digest of the whole model (rank 0 also saves the model's weights). With --resume it also trains
+each model in 32-true with a checkpoint every few steps, crashes mid-epoch, resumes from the last
+checkpoint and records the rest; with --lightning (one process) it trains the same models with
+Lightning's own Trainer too: the reference.
+
+    python tests/zoo/run_torch_zoo.py --out DIR --models boring,gpt2 --precisions 32-true,bf16-mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.zoo
+
+import unifit  # noqa: E402
+from tests.zoo.torch_models import GPU_MODELS, MODELS  # noqa: E402
+
+EPOCHS = 2
+
+
+class Recorder(unifit.Callback):
+    """Every micro-batch's loss on this rank, and the epoch metrics (averaged over every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.epochs: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
+        self.losses.append(float(loss))
+
+    def on_epoch_end(self, ctx: Any) -> None:
+        self.epochs.append(dict(ctx.state.metrics))
+
+
+class Crash(unifit.Callback):
+    """A checkpoint in the middle of the second epoch, then a crash a step later (its checkpoint stays)."""
+
+    def __init__(self) -> None:
+        self.saved_at: int | None = None
+
+    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
+        step, per_epoch = ctx.progress.optimizer_step, ctx.progress.steps_per_epoch
+        if self.saved_at is None and step == per_epoch + max(1, per_epoch // 2):
+            ctx.save_checkpoint()
+            self.saved_at = step
+        elif self.saved_at is not None and step > self.saved_at:
+            raise SimulatedCrash(f"crashed at step {step} after a checkpoint at step {self.saved_at}")
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on every rank (FSDP's shards gathered: a collective, so every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+            for k, v in module.state_dict().items()}
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(state):
+        h.update(key.encode())
+        h.update(state[key].numpy().tobytes())
+    return h.hexdigest()
+
+
+def build(name: str, batch: int, models: dict[str, Any]) -> tuple[Any, Any]:
+    torch.manual_seed(0)  # the same initial weights and data in every run and on every rank
+    return models[name][0](batch)
+
+
+def unifit_run(name: str, precision: str, args: argparse.Namespace, models: dict[str, Any], root: Path,
+               resume: bool = False) -> dict[str, Any]:
+    module, data = build(name, args.batch, models)
+    recorder = Recorder()
+    options: dict[str, Any] = dict(
+        max_epochs=EPOCHS, precision=precision, accumulate_grad_batches=args.accumulate, lr_scaling="none",
+        root_dir=str(root), progress_bar=False, tensorboard={"enabled": False},
+        checkpoint={"enabled": resume},
+        nan_guard={"enabled": False}, collective_timeout_s=60, callbacks=[recorder],
+        strategy_options=json.loads(args.strategy_options))
+    crashed = None
+    if resume:  # crash mid-epoch, then resume from the last checkpoint in a fresh Trainer and module
+        try:
+            unifit.Trainer(**{**options, "callbacks": [recorder, Crash()]}).fit(module, data)
+        except SimulatedCrash as exc:
+            crashed = str(exc)
+        module, data = build(name, args.batch, models)
+        recorder = Recorder()
+        options["callbacks"] = [recorder]
+        unifit.Trainer(**options).fit(module, data, ckpt_path="last")
+    else:
+        unifit.Trainer(**options).fit(module, data)
+    state = full_state(module)
+    return {"losses": recorder.losses, "epochs": recorder.epochs, "digest": digest(state), "state": state,
+            "crashed": crashed}
+
+
+def lightning_run(name: str, precision: str, args: argparse.Namespace, models: dict[str, Any]) -> dict[str, Any]:
+    import lightning as L
+
+    module, data = build(name, args.batch, models)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, precision=precision,
+                        accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+    state = full_state(module)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"losses": [], "epochs": [metrics], "digest": digest(state), "state": state, "crashed": None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--precisions", default="32-true,bf16-mixed,16-mixed")
+    parser.add_argument("--batch", type=int, default=4, help="per rank, for the models whose data is ours")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--resume", action="store_true", help="also: crash mid-epoch and resume (32-true)")
+    parser.add_argument("--lightning", action="store_true", help="also: Lightning's own Trainer (one process)")
+    parser.add_argument("--strategy-options", default="{}", help="JSON, e.g. '{\"local_world_size\": 1}'")
+    parser.add_argument("--gpu", action="store_true", help="the GPU zoo (torchvision's resnet18 too)")
+    args = parser.parse_args()
+    models = GPU_MODELS if args.gpu else MODELS
+    out = Path(args.out)
+    rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
+    results: dict[str, Any] = {}
+    runs = [(m, p, "unifit") for m in args.models.split(",") for p in args.precisions.split(",")]
+    runs += [(m, "32-true", "resume") for m in args.models.split(",")] if args.resume else []
+    runs += [(m, p, "lightning") for m in args.models.split(",") for p in args.precisions.split(",")
+             if p != "16-mixed"] if args.lightning else []
+    for name, precision, kind in runs:
+        key = f"{name}/{precision}/{kind}"
+        root = out / "runs" / name / precision / kind
+        try:
+            if kind == "lightning":
+                result = lightning_run(name, precision, args, models)
+            else:
+                result = unifit_run(name, precision, args, models, root, resume=kind == "resume")
+        except Exception as exc:  # a refusal (unifit's one line) or a failure: recorded, the zoo goes on
+            print(f"zoo: {key} failed on rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            if not isinstance(exc, unifit.UnifitError):
+                traceback.print_exc()
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        if rank == 0:
+            torch.save(result["state"], out / f"{name}.{precision}.{kind}.pt")
+        results[key] = {k: v for k, v in result.items() if k != "state"}
+        print(f"zoo: {key} done on rank {rank}", file=sys.stderr, flush=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
