@@ -123,3 +123,34 @@ def test_fsdp_nccl_trains_and_resumes_on_gpu(tmp_path, precision, offload):
     assert_ok(_run(part, *args, procs=1, strategy="fsdp", ckpt="last"))
     losses = [[m["train/loss"] for m in metrics_lines(root) if "train/loss" in m] for root in (whole, part)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3, abs=1e-4)
+
+
+def _zoo(out: Path, strategy: str, *args: str):
+    driver = ["tests/zoo/run_torch_zoo.py", "--gpu", "--out", str(out), *args]
+    return run_unifit("launch", "--nproc-per-node", "1", "--strategy", strategy, "--", *driver, timeout=280)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_model_zoo_on_one_gpu(tmp_path, strategy):
+    """The zoo (Lightning's demos, GPT-2, BERT, ResNet-18s incl. torchvision's) on CUDA in every precision the
+    strategy takes; under ddp also Lightning's own Trainer on the GPU (equal weights within GPU kernels'
+    nondeterminism) and an exact resume."""
+    pytest.importorskip("transformers")
+    import torch
+
+    precisions = "32-true,bf16-mixed,16-mixed" if strategy == "ddp" else "32-true,bf16-mixed"
+    extra = ["--lightning", "--resume"] if strategy == "ddp" else ["--resume"]
+    assert_ok(_zoo(tmp_path, strategy, "--precisions", precisions, *extra))
+    results = json.loads((tmp_path / "rank0.json").read_text())
+    failed = {key: r["error"] for key, r in results.items() if "error" in r}
+    assert not failed, failed
+    for key, record in results.items():
+        model, precision, kind = key.split("/")
+        if kind == "lightning":
+            ours = torch.load(tmp_path / f"{model}.{precision}.unifit.pt")
+            theirs = torch.load(tmp_path / f"{model}.{precision}.lightning.pt")
+            diff = max((ours[k] - theirs[k]).abs().max().item() for k in ours if ours[k].is_floating_point())
+            assert diff < (1e-3 if precision == "32-true" else 5e-2), (key, diff)
+        if kind == "resume":
+            assert record["crashed"], key

@@ -117,7 +117,7 @@ def lightning_run(name: str, precision: str, args: argparse.Namespace, models: d
     import lightning as L
 
     module, data = build(name, args.batch, models)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, precision=precision,
+    trainer = L.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=1, max_epochs=EPOCHS, precision=precision,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)

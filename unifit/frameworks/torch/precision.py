@@ -9,11 +9,11 @@ under float16 (the scale backs off); a NaN *loss* is still caught by the NaN gua
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 import torch
 
-from unifit.errors import ConfigError
+from unifit.errors import ConfigError, first_line
 
 
 _PLAIN = contextlib.nullcontext()  # reusable: no per-step allocation in full precision
@@ -52,6 +52,8 @@ class MixedPrecision(Precision):
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     def autocast(self) -> ContextManager[Any]:
+        if self.device_type == "cpu" and self.dtype == torch.float16:
+            return _cpu_float16()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -74,6 +76,21 @@ class MixedPrecision(Precision):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+@contextlib.contextmanager
+def _cpu_float16() -> Iterator[None]:
+    """Autocast to float16 on CPU, where some layers have no float16 kernel (nn.LSTM: oneDNN 'could not
+    create a primitive descriptor'): that error names the setting to change instead."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        try:
+            yield
+        except RuntimeError as exc:
+            if "could not create a primitive" not in str(exc):
+                raise
+            raise ConfigError(f"trainer.precision: '16-mixed' on CPU, but a layer of this model has no float16 CPU "
+                              f"kernel in torch ({first_line(exc)[:60]}...); use 'bf16-mixed' on CPU, or "
+                              "'16-mixed' on a GPU") from None
 
 
 def make_precision(name: str, device: torch.device) -> Precision:
