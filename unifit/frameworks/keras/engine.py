@@ -366,7 +366,26 @@ class KerasEngine(KerasEvaluation, Engine):
         return self._steps
 
     def end_of_epoch(self) -> None:
-        """Keras schedules are evaluated per step; nothing to do per epoch."""
+        """Keras schedules are evaluated per step; the processes agree on the moving statistics before the
+        epoch's checkpoint and validation."""
+        self._agree_on_statistics()
+
+    def _agree_on_statistics(self) -> None:
+        """BatchNormalization's moving mean and variance (non-trainable float variables) follow each process's
+        own batches under MultiWorkerMirroredStrategy and Horovod alike; their mean over the processes is
+        given to every process (a moving average is linear in its inputs: the mean of the processes' averages
+        is the average over all their batches), so every process validates and saves one model."""
+        world = self.strategy.world_size
+        moving = [v for v in self.module.model.non_trainable_variables if "float" in str(v.dtype)]
+        if world == 1 or not moving:
+            return
+        values = [np.asarray(v.numpy(), dtype=np.float64) for v in moving]
+        with self.strategy.collective_guard("average of the moving statistics"):
+            total = self.strategy.all_reduce_sum(np.concatenate([v.ravel() for v in values]))
+        start = 0
+        for variable, value in zip(moving, values):
+            variable.assign((total[start:start + value.size] / world).reshape(value.shape).astype(value.dtype))
+            start += value.size
 
     def current_lrs(self) -> list[float]:
         return [float(self.schedule(self._steps))]
@@ -392,6 +411,7 @@ class KerasEngine(KerasEvaluation, Engine):
 
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
         """Every worker writes (TensorFlow requires all to take part); only the chief's files are kept."""
+        self._agree_on_statistics()  # a mid-epoch checkpoint holds the processes' mean, as at epoch end
         folder = tempfile.mkdtemp(prefix="unifit-tf-ckpt-")
         try:
             with self.strategy.collective_guard("checkpoint write"):

@@ -45,13 +45,18 @@ class TFHorovod(Adapter):
         if self.strategy.world_size == 1:
             return grads
         hvd = self.hvd
-        present = [i for i, g in enumerate(grads) if g is not None]
-        dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices (embeddings) become dense
+        present = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
         compression = hvd.Compression.fp16 if self.strategy.options.compression == "fp16" else hvd.Compression.none
-        reduced = hvd.grouped_allreduce(dense, op=hvd.Average, compression=compression, name="unifit.gradients")
+        reduced = hvd.grouped_allreduce([grads[i] for i in present], op=hvd.Average, compression=compression,
+                                        name="unifit.gradients")
         out = list(grads)
         for i, g in zip(present, reduced):
             out[i] = g
+        # an Embedding's gradient stays sparse (Horovod gathers its rows, as MirroredStrategy does): made dense,
+        # Adam would also move the rows no sample used (their moments decay), unlike model.fit
+        for i, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = hvd.allreduce(g, op=hvd.Average, name=f"unifit.sparse_gradient.{i}")
         return out
 
     def broadcast_variables(self, variables: list[Any]) -> None:

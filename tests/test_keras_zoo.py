@@ -1,0 +1,129 @@
+"""The Keras zoo (tests/zoo/keras_models.py): keras-io's "image classification from scratch" (augmentation
+layers mapped over the batched pipeline, BatchNormalization, SeparableConv2D) and "text classification from
+scratch" (TextVectorization mapped over the pipeline, Embedding, Conv1D), compiled keras.Models with batched
+tf.data pipelines as the pages write them, trained by unifit under every Keras strategy in 32-true and
+bf16-mixed. One launch per strategy runs the whole zoo in one TensorFlow start per process.
+
+What must hold:
+- single process equals Keras' own model.fit on the same pipeline, number for number (both precisions);
+- mirrored, mwms and horovod (2 replicas x batch 16) end with single's weights (batch 32) in 32-true, and
+  follow its loss curve in bf16-mixed; every process holds the same model;
+- the text model crashed mid-epoch and resumed from the last checkpoint ends where the uninterrupted run ends.
+The augmented image model draws its random flips and rotations anew in every pipeline, so it is held to
+training and agreeing across processes; without its augmentation ("image-plain") it equals model.fit."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO, assert_ok, run_unifit
+
+pytest.importorskip("tensorflow")
+
+DRIVER = "tests/zoo/run_keras_zoo.py"
+PRECISIONS = ("32-true", "bf16-mixed")
+LAUNCHES = {  # strategy -> (processes, driver args)
+    "single": (1, ["--batch", "32", "--models", "image,image-plain,text", "--reference", "--resume"]),
+    "mirrored": (1, ["--models", "image,text", "--resume", "--strategy-options", json.dumps({"devices": 2})]),
+    "mwms": (2, ["--models", "image,text", "--resume"]),
+    "horovod": (2, ["--models", "image,text", "--resume"]),
+}
+DISTRIBUTED = ["mirrored", "mwms", "horovod"]
+
+
+class Zoo:
+    def __init__(self, out: Path, world: int) -> None:
+        self.out = out
+        self.ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+    def record(self, model: str, precision: str, kind: str = "unifit", rank: int = 0) -> dict:
+        return self.ranks[rank][f"{model}/{precision}/{kind}"]
+
+    def weights(self, model: str, precision: str, kind: str = "unifit") -> list[np.ndarray]:
+        with np.load(self.out / f"{model}.{precision}.{kind}.npz") as saved:
+            return [saved[k] for k in saved.files]
+
+    def global_losses(self, model: str, precision: str) -> list[float]:
+        """Each step's loss over every process (each rank records its own replicas' mean)."""
+        per_rank = [r[f"{model}/{precision}/unifit"]["losses"] for r in self.ranks]
+        return [sum(step) / len(step) for step in zip(*per_rank)]
+
+
+_zoos: dict[str, Zoo] = {}
+
+
+def zoo(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> Zoo:
+    if strategy not in _zoos:
+        world, extra = LAUNCHES[strategy]
+        out = tmp_path_factory.mktemp(f"keras-zoo-{strategy}")
+        driver = [DRIVER, "--out", str(out), "--precisions", ",".join(PRECISIONS), *extra]
+        if strategy == "single":  # the script as a user runs it: python, no launcher
+            result = subprocess.run([sys.executable, *driver], cwd=REPO, capture_output=True, text=True, timeout=480,
+                                    env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+        else:
+            result = run_unifit("launch", "--nproc-per-node", str(world), "--strategy", strategy, "--", *driver,
+                                timeout=480)
+        assert_ok(result)
+        _zoos[strategy] = Zoo(out, world)
+    return _zoos[strategy]
+
+
+def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert len(a) == len(b)
+    return max(float(np.abs(x.astype(np.float64) - y).max()) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", list(LAUNCHES))
+def test_every_model_trains_and_every_process_agrees(strategy, tmp_path_factory):
+    z = zoo(strategy, tmp_path_factory)
+    for key, record in z.ranks[0].items():
+        if key.endswith("/keras"):
+            continue
+        for rank, results in enumerate(z.ranks):
+            mine = results[key]
+            assert "error" not in mine, (strategy, key, rank, mine)
+            assert mine["losses"] and all(math.isfinite(x) for x in mine["losses"]), (strategy, key, rank)
+            assert mine["digest"] == record["digest"], f"{strategy} {key}: rank {rank} ends with another model"
+
+
+@pytest.mark.timeout(900)
+def test_single_equals_model_fit(tmp_path_factory):
+    z = zoo("single", tmp_path_factory)
+    for model in ("image-plain", "text"):
+        for precision in PRECISIONS:
+            diff = _max_diff(z.weights(model, precision), z.weights(model, precision, "keras"))
+            assert diff == 0.0, f"{model} {precision}: unifit's weights differ from model.fit's by {diff}"
+        assert z.record(model, "32-true")["epochs"][-1]["val/loss"] == pytest.approx(
+            z.record(model, "32-true", "keras")["epochs"][-1]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", DISTRIBUTED)
+def test_two_replicas_follow_one_on_the_same_global_batch(strategy, tmp_path_factory):
+    single, other = zoo("single", tmp_path_factory), zoo(strategy, tmp_path_factory)
+    diff = _max_diff(single.weights("text", "32-true"), other.weights("text", "32-true"))
+    assert diff < 1e-5, f"{strategy} text: weights differ from single's by {diff}"
+    # bf16: each replica rounds its own half batch; Adam turns that into small moves: the curve, within 2%
+    one, two = single.global_losses("text", "bf16-mixed"), other.global_losses("text", "bf16-mixed")
+    assert len(one) == len(two)
+    for step, (a, b) in enumerate(zip(one, two)):
+        assert b == pytest.approx(a, rel=0.02), f"{strategy} text bf16: step {step} loss {b} vs {a}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", list(LAUNCHES))
+def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_path_factory):
+    z = zoo(strategy, tmp_path_factory)
+    resumed = z.record("text", "32-true", "resume")
+    assert "error" not in resumed and resumed["crashed"], resumed
+    diff = _max_diff(z.weights("text", "32-true"), z.weights("text", "32-true", "resume"))
+    assert diff == 0.0, f"{strategy}: resumed weights differ from the uninterrupted run's by {diff}"
