@@ -19,12 +19,12 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.helpers import REPO, assert_ok, run_unifit
+from tests.zoo.recording import ZooResults
 
 pytest.importorskip("tensorflow")
 
@@ -39,13 +39,8 @@ LAUNCHES = {  # strategy -> (processes, driver args)
 DISTRIBUTED = ["mirrored", "mwms", "horovod"]
 
 
-class Zoo:
-    def __init__(self, out: Path, world: int) -> None:
-        self.out = out
-        self.ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-    def record(self, model: str, precision: str, kind: str = "unifit", rank: int = 0) -> dict:
-        return self.ranks[rank][f"{model}/{precision}/{kind}"]
+class Zoo(ZooResults):
+    """One launch's records, and the weights each process saved."""
 
     def weights(self, model: str, precision: str, kind: str = "unifit") -> list[np.ndarray]:
         with np.load(self.out / f"{model}.{precision}.{kind}.npz") as saved:

@@ -17,11 +17,11 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO, assert_ok, run_unifit
+from tests.zoo.recording import ZooResults
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -35,22 +35,15 @@ EARLY_STEPS, STABLE = 4, ("boring", "gpt2", "bert")
 LAUNCHES = {  # strategy -> (precisions, extra driver args)
     "single": ("32-true,bf16-mixed", ["--accumulate", "2", "--resume", "--lightning"]),
     "ddp": ("32-true,bf16-mixed,16-mixed", ["--resume"]),
-    "fsdp": ("32-true,bf16-mixed,16-mixed", ["--resume"]),
+    "fsdp": ("32-true,bf16-mixed,16-mixed", ["--resume", "--checks"]),
     "smddp-like": ("32-true", ["--strategy-options", json.dumps({"local_world_size": 1})]),
     "horovod": ("32-true", ["--resume"]),
 }
 REFUSED = {("fsdp", "16-mixed"): "which fsdp does not support", (None, "16-mixed", "lstm"): "no float16 CPU kernel"}
 
 
-class Zoo:
-    """One launch's results: rank -> run key -> record, and the weights rank 0 saved."""
-
-    def __init__(self, out: Path, world: int) -> None:
-        self.out = out
-        self.ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-
-    def record(self, model: str, precision: str, kind: str = "unifit", rank: int = 0) -> dict:
-        return self.ranks[rank][f"{model}/{precision}/{kind}"]
+class Zoo(ZooResults):
+    """One launch's records, and the weights rank 0 saved."""
 
     def weights(self, model: str, precision: str, kind: str = "unifit") -> dict:
         return torch.load(self.out / f"{model}.{precision}.{kind}.pt")
@@ -170,3 +163,15 @@ def test_bf16_follows_full_precision(strategy, tmp_path_factory):
         full, half = z.record(model, "32-true"), z.record(model, "bf16-mixed")
         for step, (a, b) in enumerate(zip(full["losses"][:2], half["losses"][:2])):  # later: each its own path
             assert b == pytest.approx(a, rel=0.05), f"{strategy} {model}: bf16 step {step} loss {b} vs {a}"
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_refuses_an_in_place_op_on_a_units_view_output(tmp_path_factory):
+    """FSDP2 warns on every view a unit returns; unifit refuses only a step that modified one in place (its
+    backward would skip gathering the unit's parameters), and trains the same module written out of place."""
+    z = zoo("fsdp", tmp_path_factory)
+    for rank in range(2):
+        error = z.record("view-inplace", "32-true", rank=rank).get("error", "")
+        assert "ConfigError" in error and "was modified in place before backward" in error, error
+        assert "out = out + y, not out += y" in error and "\n" not in error
+        assert "error" not in z.record("view-copy", "32-true", rank=rank)

@@ -1,9 +1,14 @@
 """What every zoo driver records in a run, whatever the framework: each micro-batch's loss and the epoch
-metrics (Recorder), and a crash a step after a mid-epoch checkpoint (Crash)."""
+metrics (Recorder), and a crash a step after a mid-epoch checkpoint (Crash); and the loop that runs a
+zoo's runs in one process, recording a refusal or failure and going on (run_all)."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
 import unifit
 
@@ -39,3 +44,35 @@ class Crash(unifit.Callback):
 
 class SimulatedCrash(RuntimeError):
     pass
+
+
+def run_all(runs: list[tuple[str, str, str]], run_one: Callable[[str, str, str], dict[str, Any]],
+            save: Callable[[str, Any], None], out: Path, rank: int) -> None:
+    """Each (model, precision, kind) in turn; `run_one` returns the record (its "weights" go to `save`,
+    the rest to out/rank{rank}.json); an exception is recorded as the run's "error" and the zoo goes on."""
+    results: dict[str, Any] = {}
+    for name, precision, kind in runs:
+        key = f"{name}/{precision}/{kind}"
+        try:
+            result = run_one(name, precision, kind)
+        except Exception as exc:  # a refusal (unifit's one line) or a failure
+            print(f"zoo: {key} failed on rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            if not isinstance(exc, unifit.UnifitError):
+                traceback.print_exc()
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        save(f"{name}.{precision}.{kind}", result.pop("weights"))
+        results[key] = result
+        print(f"zoo: {key} done on rank {rank}", file=sys.stderr, flush=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+class ZooResults:
+    """What one launch of a zoo driver left in `out`: rank -> run key -> record (the tests read this)."""
+
+    def __init__(self, out: Path, world: int) -> None:
+        self.out = out
+        self.ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+    def record(self, model: str, precision: str, kind: str = "unifit", rank: int = 0) -> dict:
+        return self.ranks[rank][f"{model}/{precision}/{kind}"]

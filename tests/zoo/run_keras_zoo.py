@@ -16,14 +16,13 @@ import hashlib
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.zoo
 
 import unifit  # noqa: E402
-from tests.zoo.recording import Crash, Recorder, SimulatedCrash  # noqa: E402
+from tests.zoo.recording import Crash, Recorder, SimulatedCrash, run_all  # noqa: E402
 
 EPOCHS = 2
 
@@ -111,24 +110,15 @@ def main() -> int:
     runs = [(m, p, "unifit") for m in models for p in precisions]
     runs += [("text", "32-true", "resume")] if args.resume and "text" in models else []
     runs += [(m, p, "keras") for m in models for p in precisions] if args.reference else []
-    results: dict[str, Any] = {}
-    for name, precision, kind in runs:
-        key = f"{name}/{precision}/{kind}"
-        try:
-            if kind == "keras":
-                result = keras_run(name, precision, args)
-            else:
-                result = unifit_run(name, precision, args, out / "runs" / name / precision / kind, kind == "resume")
-        except Exception as exc:  # a refusal (unifit's one line) or a failure: recorded, the zoo goes on
-            print(f"zoo: {key} failed on rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            if not isinstance(exc, unifit.UnifitError):
-                traceback.print_exc()
-            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            continue
-        np.savez(out / f"{name}.{precision}.{kind}{f'.rank{rank}' if rank else ''}.npz", *result["weights"])
-        results[key] = {k: v for k, v in result.items() if k != "weights"}
-        print(f"zoo: {key} done on rank {rank}", file=sys.stderr, flush=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    def run_one(name: str, precision: str, kind: str) -> dict[str, Any]:
+        if kind == "keras":
+            return keras_run(name, precision, args)
+        return unifit_run(name, precision, args, out / "runs" / name / precision / kind, kind == "resume")
+
+    def save(stem: str, weights: list[Any]) -> None:
+        np.savez(out / f"{stem}{f'.rank{rank}' if rank else ''}.npz", *weights)
+
+    run_all(runs, run_one, save, out, rank)
     return 0
 
 

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for tests.zoo
 
 import unifit  # noqa: E402
-from tests.zoo.recording import Crash, Recorder, SimulatedCrash  # noqa: E402
+from tests.zoo.recording import Crash, Recorder, SimulatedCrash, run_all  # noqa: E402
 from tests.zoo.torch_models import GPU_MODELS, MODELS  # noqa: E402
 
 EPOCHS = 2
@@ -77,7 +76,7 @@ def unifit_run(name: str, precision: str, args: argparse.Namespace, models: dict
     else:
         unifit.Trainer(**options).fit(module, data)
     state = full_state(module)
-    return {"losses": recorder.losses, "epochs": recorder.epochs, "digest": digest(state), "state": state,
+    return {"losses": recorder.losses, "epochs": recorder.epochs, "digest": digest(state), "weights": state,
             "crashed": crashed}
 
 
@@ -91,7 +90,7 @@ def lightning_run(name: str, precision: str, args: argparse.Namespace, models: d
     trainer.fit(module, datamodule=data)
     state = full_state(module)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"losses": [], "epochs": [metrics], "digest": digest(state), "state": state, "crashed": None}
+    return {"losses": [], "epochs": [metrics], "digest": digest(state), "weights": state, "crashed": None}
 
 
 def main() -> int:
@@ -104,35 +103,31 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="also: crash mid-epoch and resume (32-true)")
     parser.add_argument("--lightning", action="store_true", help="also: Lightning's own Trainer (one process)")
     parser.add_argument("--strategy-options", default="{}", help="JSON, e.g. '{\"local_world_size\": 1}'")
+    parser.add_argument("--checks", action="store_true", help="also: tests/zoo/view_module.py's two cases")
     parser.add_argument("--gpu", action="store_true", help="the GPU zoo (torchvision's resnet18 too)")
     args = parser.parse_args()
     models = GPU_MODELS if args.gpu else MODELS
+    if args.checks:
+        from tests.zoo.view_module import CHECKS
+
+        models = {**models, **CHECKS}
     out = Path(args.out)
     rank = int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", "0")))
-    results: dict[str, Any] = {}
     runs = [(m, p, "unifit") for m in args.models.split(",") for p in args.precisions.split(",")]
     runs += [(m, "32-true", "resume") for m in args.models.split(",")] if args.resume else []
+    runs += [(c, "32-true", "unifit") for c in ("view-inplace", "view-copy")] if args.checks else []
     runs += [(m, p, "lightning") for m in args.models.split(",") for p in args.precisions.split(",")
              if p != "16-mixed"] if args.lightning else []
-    for name, precision, kind in runs:
-        key = f"{name}/{precision}/{kind}"
-        root = out / "runs" / name / precision / kind
-        try:
-            if kind == "lightning":
-                result = lightning_run(name, precision, args, models)
-            else:
-                result = unifit_run(name, precision, args, models, root, resume=kind == "resume")
-        except Exception as exc:  # a refusal (unifit's one line) or a failure: recorded, the zoo goes on
-            print(f"zoo: {key} failed on rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            if not isinstance(exc, unifit.UnifitError):
-                traceback.print_exc()
-            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
-            continue
+    def run_one(name: str, precision: str, kind: str) -> dict[str, Any]:
+        if kind == "lightning":
+            return lightning_run(name, precision, args, models)
+        return unifit_run(name, precision, args, models, out / "runs" / name / precision / kind, kind == "resume")
+
+    def save(stem: str, state: Any) -> None:
         if rank == 0:
-            torch.save(result["state"], out / f"{name}.{precision}.{kind}.pt")
-        results[key] = {k: v for k, v in result.items() if k != "state"}
-        print(f"zoo: {key} done on rank {rank}", file=sys.stderr, flush=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(results))
+            torch.save(state, out / f"{stem}.pt")
+
+    run_all(runs, run_one, save, out, rank)
     return 0
 
 

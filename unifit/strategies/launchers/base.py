@@ -151,12 +151,15 @@ def rank_environment(base: Mapping[str, str] | None = None, ranks_per_node: int 
     CPUs out between its `ranks_per_node` ranks, so they do not oversubscribe them (torchrun would set 1
     and print a warning banner), and the UNIFIT_TTY variables: set when this process's stderr is a
     terminal, removed when not (a value inherited from an outer launch is stale); a user's own
-    UNIFIT_TTY=1 (always a bar) or 0 (never) passes through unchanged; `extra` on top."""
+    UNIFIT_TTY=1 (always a bar) or 0 (never) passes through unchanged; `extra` on top; TF_CPP_MIN_LOG_LEVEL 2."""
     env = dict(os.environ if base is None else base)
     env.pop(LAUNCH_STRATEGY_ENV, None)  # a launch inside a launched script says its own
     env.update(extra or {})
     if ranks_per_node > 1:
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(ranks_per_node)))
+    # TensorFlow's start-up INFO/WARNING lines, before unifit's engine could quiet them (a launched script
+    # imports TensorFlow first); as the Keras engine sets it for `unifit fit` (the user's value wins)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if env.get(TTY_ENV) in ("0", "1"):
         return env
     for key in TTY_KEYS:
