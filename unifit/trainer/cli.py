@@ -226,6 +226,9 @@ def _log_to_stderr() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _log_to_stderr()
+    # checking the experiment imports the user's module, which may import TensorFlow: its start-up INFO and
+    # WARNING lines would come before unifit's one-line answer (the Keras engine sets the same; yours wins)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     script: list[str] = []
     if argv[:1] == ["launch"] and "--" in argv:  # unifit launch [flags] -- SCRIPT.py [ARGS]
         at = argv.index("--")
