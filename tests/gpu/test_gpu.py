@@ -131,19 +131,25 @@ def _zoo(out: Path, strategy: str, *args: str):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "smddp-like"])
 def test_model_zoo_on_one_gpu(tmp_path, strategy):
     """The zoo (Lightning's demos, GPT-2, BERT, ResNet-18s incl. torchvision's) on CUDA in every precision the
-    strategy takes; under ddp also Lightning's own Trainer on the GPU (equal weights within GPU kernels'
-    nondeterminism) and an exact resume."""
+    strategy takes, with a mid-epoch crash and resume; under single also Lightning's own Trainer on the GPU
+    (equal weights within GPU kernels' nondeterminism). The GPU check of docs/zoo.md:
+    `pytest tests/gpu -k zoo` (writes benchmarks/results/gpu_zoo_<strategy>.json)."""
     pytest.importorskip("transformers")
     import torch
 
-    precisions = "32-true,bf16-mixed,16-mixed" if strategy == "ddp" else "32-true,bf16-mixed"
-    extra = ["--lightning", "--resume"] if strategy == "ddp" else ["--resume"]
+    precisions = "32-true,bf16-mixed" if strategy == "fsdp" else "32-true,bf16-mixed,16-mixed"
+    extra = ["--lightning", "--resume"] if strategy == "single" else ["--resume"]
     assert_ok(_zoo(tmp_path, strategy, "--precisions", precisions, *extra))
     results = json.loads((tmp_path / "rank0.json").read_text())
     failed = {key: r["error"] for key, r in results.items() if "error" in r}
+    summary = {"command": f"pytest tests/gpu -k 'zoo and {strategy}'", "device": torch.cuda.get_device_name(0),
+               "runs": {key: {"error": r.get("error"), "final_loss": (r.get("losses") or [None])[-1]}
+                        for key, r in results.items()}}
+    out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / f"gpu_zoo_{strategy}.json"
+    out.write_text(json.dumps(summary, indent=1))  # committed after a GPU run: what ran, what was refused
     assert not failed, failed
     for key, record in results.items():
         model, precision, kind = key.split("/")
