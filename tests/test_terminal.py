@@ -187,8 +187,14 @@ def test_launchers_name_their_terminal_only_when_stderr_is_one(monkeypatch):
     monkeypatch.delenv("UNIFIT_TTY", raising=False)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     stale = {"UNIFIT_TTY": "/dev/pts/99", "UNIFIT_TTY_HOST": "h", "UNIFIT_TTY_STDOUT": "1", "A": "b"}
-    assert base.rank_environment(stale) == {"A": "b"}  # `| tee`, CI, logs: nothing, and nothing stale
+    # `| tee`, CI, logs: nothing, and nothing stale (TensorFlow's start-up lines quieted, as always)
+    assert base.rank_environment(stale) == {"A": "b", "TF_CPP_MIN_LOG_LEVEL": "2"}
     assert base.rank_environment({"UNIFIT_TTY": "0"})["UNIFIT_TTY"] == "0"  # the user's own choice stays
+    assert base.rank_environment({"TF_CPP_MIN_LOG_LEVEL": "0"})["TF_CPP_MIN_LOG_LEVEL"] == "0"
+    # each rank its share of the host's cores (torchrun would set 1 and print a banner); the user's value stays
+    shared = base.rank_environment({}, ranks_per_node=2)["OMP_NUM_THREADS"]
+    assert shared == str(base.threads_per_rank(2)) and int(shared) >= 1
+    assert base.rank_environment({"OMP_NUM_THREADS": "7"}, ranks_per_node=2)["OMP_NUM_THREADS"] == "7"
 
     master, slave = os.openpty()
     try:
