@@ -1,11 +1,12 @@
 """The Keras zoo (tests/zoo/keras_models.py): keras-io's "image classification from scratch" (augmentation
 layers mapped over the batched pipeline, BatchNormalization, SeparableConv2D) and "text classification from
 scratch" (TextVectorization mapped over the pipeline, Embedding, Conv1D), compiled keras.Models with batched
-tf.data pipelines as the pages write them, trained by unifit under every Keras strategy in 32-true and
-bf16-mixed. One launch per strategy runs the whole zoo in one TensorFlow start per process.
+tf.data pipelines as the pages write them, trained by unifit under every Keras strategy in 32-true,
+bf16-mixed and 16-mixed. One launch per strategy runs the whole zoo in one TensorFlow start per process.
 
 What must hold:
-- single process equals Keras' own model.fit on the same pipeline, number for number (both precisions);
+- single process equals Keras' own model.fit on the same pipeline, number for number (every precision:
+  unifit's float16 loss scaling is Keras' own LossScaleOptimizer's);
 - mirrored, mwms and horovod (2 replicas x batch 16) end with single's weights (batch 32) in 32-true, and
   follow its loss curve in bf16-mixed; every process holds the same model;
 - the text model crashed mid-epoch and resumed from the last checkpoint ends where the uninterrupted run ends.
@@ -30,8 +31,12 @@ pytest.importorskip("tensorflow")
 
 DRIVER = "tests/zoo/run_keras_zoo.py"
 PRECISIONS = ("32-true", "bf16-mixed")
+# 16-mixed (float16 loss scaling) in one process, against model.fit: the scaling is the same code under every
+# strategy (its launched variants: tests/test_precision_keras.py); the CI budget takes no more TF launches
 LAUNCHES = {  # strategy -> (processes, driver args)
-    "single": (1, ["--batch", "32", "--models", "image,image-plain,text", "--reference", "--resume"]),
+    # the augmented image model is held to training and agreeing; that needs processes: not in single
+    "single": (1, ["--batch", "32", "--models", "image-plain,text", "--reference", "--resume",
+                   "--precisions", "32-true,bf16-mixed,16-mixed"]),
     "mirrored": (1, ["--models", "image,text", "--resume", "--strategy-options", json.dumps({"devices": 2})]),
     "mwms": (2, ["--models", "image,text", "--resume"]),
     "horovod": (2, ["--models", "image,text", "--resume"]),
@@ -59,7 +64,7 @@ def zoo(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> Zoo:
     if strategy not in _zoos:
         world, extra = LAUNCHES[strategy]
         out = tmp_path_factory.mktemp(f"keras-zoo-{strategy}")
-        driver = [DRIVER, "--out", str(out), "--precisions", ",".join(PRECISIONS), *extra]
+        driver = [DRIVER, "--out", str(out), "--precisions", ",".join(PRECISIONS), *extra]  # a later one wins
         if strategy == "single":  # the script as a user runs it: python, no launcher
             result = subprocess.run([sys.executable, *driver], cwd=REPO, capture_output=True, text=True, timeout=480,
                                     env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
@@ -94,7 +99,7 @@ def test_every_model_trains_and_every_process_agrees(strategy, tmp_path_factory)
 def test_single_equals_model_fit(tmp_path_factory):
     z = zoo("single", tmp_path_factory)
     for model in ("image-plain", "text"):
-        for precision in PRECISIONS:
+        for precision in (*PRECISIONS, "16-mixed"):
             diff = _max_diff(z.weights(model, precision), z.weights(model, precision, "keras"))
             assert diff == 0.0, f"{model} {precision}: unifit's weights differ from model.fit's by {diff}"
         assert z.record(model, "32-true")["epochs"][-1]["val/loss"] == pytest.approx(

@@ -36,8 +36,8 @@ LAUNCHES = {  # strategy -> (precisions, extra driver args)
     "single": ("32-true,bf16-mixed", ["--accumulate", "2", "--resume", "--lightning"]),
     "ddp": ("32-true,bf16-mixed,16-mixed", ["--resume"]),
     "fsdp": ("32-true,bf16-mixed,16-mixed", ["--resume", "--checks"]),
-    "smddp-like": ("32-true", ["--strategy-options", json.dumps({"local_world_size": 1})]),
-    "horovod": ("32-true", ["--resume"]),
+    "smddp-like": ("32-true,16-mixed", ["--strategy-options", json.dumps({"local_world_size": 1})]),
+    "horovod": ("32-true,16-mixed", ["--resume"]),
 }
 REFUSED = {("fsdp", "16-mixed"): "which fsdp does not support", (None, "16-mixed", "lstm"): "no float16 CPU kernel"}
 
