@@ -98,6 +98,15 @@ class Strategy(ABC):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def copy_from_rank_zero(self, tensors: dict[str, Any]) -> None:
+        """Rank 0's values of these tensors (buffers each rank updated from its own batches, e.g. BatchNorm's
+        running statistics) copied into every rank's, in place."""
+        if self.world_size == 1 or not tensors:
+            return
+        zero = self.broadcast_object({k: v.detach().cpu() for k, v in tensors.items()} if self.is_global_zero else None)
+        for key, value in zero.items():
+            tensors[key].data.copy_(value)
+
     def barrier(self, name: str) -> None:
         """Every rank must reach the barrier `name`; one that does not makes it fail, not hang."""
 

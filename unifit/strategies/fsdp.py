@@ -209,13 +209,8 @@ class FSDPStrategy(DDPStrategy):
         import torch
         from torch.distributed.tensor import DTensor
 
-        plain = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)}
-        if not plain:
-            return
-        zero = self.broadcast_object({k: v.detach().cpu() for k, v in plain.items()} if self.is_global_zero else None)
-        with torch.no_grad():
-            for key, value in zero.items():
-                plain[key].copy_(value)
+        self.copy_from_rank_zero(
+            {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)})
 
     def start_sharded_write(self, state: dict[str, Any], url: str,
                             storage_options: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:

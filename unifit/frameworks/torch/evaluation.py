@@ -64,14 +64,7 @@ class TorchEvaluation:
             return
         owner = getattr(self.module, "state_module", self.module)  # a LightningModule's own keys
         names = {name for name, _ in owner.named_buffers()}
-        buffers = {k: v for k, v in owner.state_dict().items() if k in names}
-        if not buffers:
-            return
-        state = self.strategy.broadcast_object(
-            {k: v.detach().cpu() for k, v in buffers.items()} if self.strategy.is_global_zero else None)
-        with torch.no_grad():
-            for key, value in state.items():
-                buffers[key].copy_(value)
+        self.strategy.copy_from_rank_zero({k: v for k, v in owner.state_dict().items() if k in names})
 
     def load_weights(self, state: dict[str, Any]) -> None:
         """The checkpoint's model, whole on every rank (one written sharded by fsdp is read whole too)."""
