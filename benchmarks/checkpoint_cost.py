@@ -45,10 +45,15 @@ class BigMLP(unifit.TrainModule):
     def __init__(self, samples: int = 8192) -> None:
         super().__init__()
         self.samples = samples
-        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
-                                       torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-                                       torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-                                       torch.nn.Linear(HIDDEN, CLASSES))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, HIDDEN),
+            torch.nn.ReLU(),
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            torch.nn.ReLU(),
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            torch.nn.ReLU(),
+            torch.nn.Linear(HIDDEN, CLASSES),
+        )
 
     def train_dataset(self):
         g = torch.Generator().manual_seed(0)
@@ -91,14 +96,24 @@ class StepClock(unifit.Callback):
 
 # ---------------------------------------------------------------- orchestration
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def config(storage: str | None, every: int | None, steps: int, strategy: str, root: str, clock: str,
-           bucket: str, endpoint: str, check_every: int = 10) -> dict:
+def config(
+    storage: str | None,
+    every: int | None,
+    steps: int,
+    strategy: str,
+    root: str,
+    clock: str,
+    bucket: str,
+    endpoint: str,
+    check_every: int = 10,
+) -> dict:
     checkpoint: dict = {"keep_last_n": 3}
     if every:
         checkpoint["every_n_steps"] = every
@@ -107,9 +122,16 @@ def config(storage: str | None, every: int | None, steps: int, strategy: str, ro
     return {
         "module": {"class_path": "benchmarks.checkpoint_cost.BigMLP", "init_args": {"samples": BATCH * steps * 2}},
         "trainer": {
-            "strategy": strategy, "accelerator": "cpu", "max_epochs": 1, "batch_size": BATCH, "root_dir": root,
-            "limit_train_batches": steps, "limit_val_batches": 0, "progress_bar": False,
-            "checkpoint": checkpoint, "tensorboard": {"enabled": False},
+            "strategy": strategy,
+            "accelerator": "cpu",
+            "max_epochs": 1,
+            "batch_size": BATCH,
+            "root_dir": root,
+            "limit_train_batches": steps,
+            "limit_val_batches": 0,
+            "progress_bar": False,
+            "checkpoint": checkpoint,
+            "tensorboard": {"enabled": False},
             "preemption": {"check_every_n_steps": check_every},
             "storage_options": {"endpoint_url": endpoint} if storage == "s3" else {},
             "callbacks": [{"class_path": "benchmarks.checkpoint_cost.StepClock", "init_args": {"out_dir": clock}}],
@@ -143,8 +165,11 @@ def read_clock(clock: Path, rank: int = 0) -> list[tuple[int, float]]:
 def step_time(rows: list[tuple[int, float]], warmup: int, window: int) -> dict:
     t = dict(rows)
     intervals = [t[s] - t[s - 1] for s in range(warmup + 1, warmup + window + 1)]
-    return {"mean_step_s": (t[warmup + window] - t[warmup]) / window, "median_step_s": statistics.median(intervals),
-            "max_step_s": max(intervals)}
+    return {
+        "mean_step_s": (t[warmup + window] - t[warmup]) / window,
+        "median_step_s": statistics.median(intervals),
+        "max_step_s": max(intervals),
+    }
 
 
 def session_alive(sid: int) -> list[int]:
@@ -157,7 +182,7 @@ def session_alive(sid: int) -> list[int]:
             stat = Path(f"/proc/{d}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if fields[0] != "Z" and int(fields[3]) == sid:
             alive.append(int(d))
     return alive
@@ -201,8 +226,14 @@ def sigterm_run(cfg: dict, workdir: Path, at_step: int) -> dict:
     all_exit = time.time() - sent
     last = read_clock(clock)[-1][0]
     log = (workdir / "log.txt").read_text()
-    return {"rc": proc.returncode, "sent_at_step": sent_step, "stopped_at_step": last, "launch_exit_s": launch_exit,
-            "all_exited_s": all_exit, "preempted_msg": "preempted by SIGTERM" in log}
+    return {
+        "rc": proc.returncode,
+        "sent_at_step": sent_step,
+        "stopped_at_step": last,
+        "launch_exit_s": launch_exit,
+        "all_exited_s": all_exit,
+        "preempted_msg": "preempted by SIGTERM" in log,
+    }
 
 
 def main() -> None:
@@ -228,8 +259,11 @@ def main() -> None:
     endpoint = f"http://127.0.0.1:{port}"
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     os.environ.update(creds)
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     raw: dict = {"single": [], "ddp": [], "sigterm": []}
     try:
         import s3fs
@@ -245,24 +279,31 @@ def main() -> None:
         def step_runs(strategy: str, nproc: int, reps: int, window: int) -> None:
             steps = args.warmup + window + 10
             for rep in range(reps):
-                order = conds[rep % 3:] + conds[:rep % 3]
+                order = conds[rep % 3 :] + conds[: rep % 3]
                 for name, storage, every in order:
                     wd = tmp / f"{strategy}-{rep}-{name}"
                     cfg = config(storage, every, steps, strategy, str(wd / "run"), str(wd / "clock"), "bench", endpoint)
                     res = timed_run(name, cfg, nproc, wd, args.warmup, window)
                     res.update(rep=rep, cond=name)
                     raw[strategy].append(res)
-                    print(strategy, rep, name, {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()},
-                          f"[{time.time() - t0:.0f} s]", flush=True)
+                    print(
+                        strategy,
+                        rep,
+                        name,
+                        {k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()},
+                        f"[{time.time() - t0:.0f} s]",
+                        flush=True,
+                    )
 
         step_runs("single", 1, args.reps, args.window)
         if args.ddp_reps:
             step_runs("ddp", 2, args.ddp_reps, args.ddp_window)
         for rep in range(args.sigterm_reps):
-            for storage in (("local", "s3") if rep % 2 == 0 else ("s3", "local")):
+            for storage in ("local", "s3") if rep % 2 == 0 else ("s3", "local"):
                 wd = tmp / f"sigterm-{rep}-{storage}"
-                cfg = config(storage, args.sigterm_every, 2000, "ddp", str(wd / "run"), str(wd / "clock"), "bench",
-                             endpoint)
+                cfg = config(
+                    storage, args.sigterm_every, 2000, "ddp", str(wd / "run"), str(wd / "clock"), "bench", endpoint
+                )
                 res = sigterm_run(cfg, wd, args.sigterm_at)
                 res.update(rep=rep, storage=storage)
                 raw["sigterm"].append(res)
@@ -281,32 +322,44 @@ def summarize(runs: list[dict], cond: str) -> dict:
     base = {r["rep"]: r["mean_step_s"] for r in runs if r["cond"] == "none"}
     ratios = [r["mean_step_s"] / base[r["rep"]] for r in mine]
     excess = [(r["mean_step_s"] - base[r["rep"]]) for r in mine]
-    return {"mean_step_s": statistics.median(r["mean_step_s"] for r in mine),
-            "median_step_s": statistics.median(r["median_step_s"] for r in mine),
-            "max_step_s": statistics.median(r["max_step_s"] for r in mine),
-            "ratios": ratios, "ratio": statistics.median(ratios), "excess": statistics.median(excess), "n": len(mine)}
+    return {
+        "mean_step_s": statistics.median(r["mean_step_s"] for r in mine),
+        "median_step_s": statistics.median(r["median_step_s"] for r in mine),
+        "max_step_s": statistics.median(r["max_step_s"] for r in mine),
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
+        "excess": statistics.median(excess),
+        "n": len(mine),
+    }
 
 
 def write_report(args, raw: dict) -> None:
     params = sum(p.numel() for p in BigMLP().parameters())
-    cmd = (f"nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint_cost.py --reps {args.reps} "
-           f"--window {args.window} --every {args.every} --ddp-reps {args.ddp_reps} --ddp-window {args.ddp_window} "
-           f"--sigterm-reps {args.sigterm_reps} --sigterm-every {args.sigterm_every} --sigterm-at {args.sigterm_at}")
+    cmd = (
+        f"nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint_cost.py --reps {args.reps} "
+        f"--window {args.window} --every {args.every} --ddp-reps {args.ddp_reps} --ddp-window {args.ddp_window} "
+        f"--sigterm-reps {args.sigterm_reps} --sigterm-every {args.sigterm_every} --sigterm-at {args.sigterm_at}"
+    )
     lines = [
-        "# Checkpoint cost: step checkpoints (local, S3) vs none; SIGTERM to exit", "",
-        f"Command: `{cmd}`", "",
+        "# Checkpoint cost: step checkpoints (local, S3) vs none; SIGTERM to exit",
+        "",
+        f"Command: `{cmd}`",
+        "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
         f"{platform.python_version()}, one torch thread per process, the whole script under `nice -n 10`; "
         f"date {time.strftime('%Y-%m-%d')}; load average at the end {raw.get('loadavg_end', '?')}. "
-        f"Script wall time {raw['wall_s'] / 60:.1f} min. S3: moto server on 127.0.0.1 (own process, same machine).", "",
+        f"Script wall time {raw['wall_s'] / 60:.1f} min. S3: moto server on 127.0.0.1 (own process, same machine).",
+        "",
         f"Model: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{HIDDEN}-{CLASSES}, {params / 1e6:.2f} M parameters "
         f"({params * 4 / 1e6:.1f} MB float32; a checkpoint holds weights + SGD momentum, ~{params * 8 / 1e6:.0f} MB), "
         f"batch {BATCH} per rank, CPU. Step time: rank 0, from the end of step {args.warmup} over the next "
         f"window of steps (mean = window wall time / steps, so the checkpoint steps are in it); "
         "ratio = that run / the no-checkpoint run of the same rep (each run its own process, order rotated per rep); "
-        "table values are medians over reps.", "",
+        "table values are medians over reps.",
+        "",
         "Stall per checkpoint = (mean step - median step) x steps measured / checkpoints in the window: the extra "
-        "time the checkpoint steps took on the training thread, above a typical step of the same run.", "",
+        "time the checkpoint steps took on the training thread, above a typical step of the same run.",
+        "",
         "| strategy | checkpoints | runs | mean step (s) | median step (s) | slowest step (s) | stall per checkpoint (s) | step time vs none (median ratio) | per-rep ratios | target <= 1.05 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -315,30 +368,46 @@ def write_report(args, raw: dict) -> None:
         runs = raw[strategy]
         if not runs:
             continue
-        for cond, label in (("none", "none"), ("local", f"local, every {args.every} steps"),
-                            ("s3", f"S3, every {args.every} steps")):
+        for cond, label in (
+            ("none", "none"),
+            ("local", f"local, every {args.every} steps"),
+            ("s3", f"S3, every {args.every} steps"),
+        ):
             s = summarize(runs, cond)
             meets = "-" if cond == "none" else ("yes" if s["ratio"] <= 1.05 else "**no**")
             verdict[(strategy, cond)] = s
             n_ckpt = window // args.every
-            stall = (statistics.median((r["mean_step_s"] - r["median_step_s"]) * window / n_ckpt
-                                       for r in runs if r["cond"] == cond) if cond != "none" and n_ckpt else None)
-            lines.append(f"| {strategy} ({window} steps measured) | {label} | {s['n']} | {s['mean_step_s']:.4f} | "
-                         f"{s['median_step_s']:.4f} | {s['max_step_s']:.3f} | "
-                         f"{'-' if stall is None else format(stall, '.2f')} | {s['ratio']:.3f} | "
-                         f"{', '.join(f'{r:.3f}' for r in s['ratios'])} | {meets} |")
-    lines += ["", f"SIGTERM to `unifit launch` (ddp, 2 ranks, every_n_steps {args.sigterm_every}, "
-              f"preemption.check_every_n_steps 10), sent once rank 0 finished step {args.sigterm_at}; "
-              "time until every process of the job's session has exited:", "",
-              "| checkpoint dir | runs | SIGTERM -> all exited (s), median | per run (s) | launch exit code | stopped at step |",
-              "|---|---|---|---|---|---|"]
+            stall = (
+                statistics.median(
+                    (r["mean_step_s"] - r["median_step_s"]) * window / n_ckpt for r in runs if r["cond"] == cond
+                )
+                if cond != "none" and n_ckpt
+                else None
+            )
+            lines.append(
+                f"| {strategy} ({window} steps measured) | {label} | {s['n']} | {s['mean_step_s']:.4f} | "
+                f"{s['median_step_s']:.4f} | {s['max_step_s']:.3f} | "
+                f"{'-' if stall is None else format(stall, '.2f')} | {s['ratio']:.3f} | "
+                f"{', '.join(f'{r:.3f}' for r in s['ratios'])} | {meets} |"
+            )
+    lines += [
+        "",
+        f"SIGTERM to `unifit launch` (ddp, 2 ranks, every_n_steps {args.sigterm_every}, "
+        f"preemption.check_every_n_steps 10), sent once rank 0 finished step {args.sigterm_at}; "
+        "time until every process of the job's session has exited:",
+        "",
+        "| checkpoint dir | runs | SIGTERM -> all exited (s), median | per run (s) | launch exit code | stopped at step |",
+        "|---|---|---|---|---|---|",
+    ]
     for storage in ("local", "s3"):
         rs = [r for r in raw["sigterm"] if r["storage"] == storage]
         if not rs:
             continue
-        lines.append(f"| {storage} | {len(rs)} | {statistics.median(r['all_exited_s'] for r in rs):.2f} | "
-                     f"{', '.join(format(r['all_exited_s'], '.2f') for r in rs)} | "
-                     f"{', '.join(str(r['rc']) for r in rs)} | {', '.join(str(r['stopped_at_step']) for r in rs)} |")
+        lines.append(
+            f"| {storage} | {len(rs)} | {statistics.median(r['all_exited_s'] for r in rs):.2f} | "
+            f"{', '.join(format(r['all_exited_s'], '.2f') for r in rs)} | "
+            f"{', '.join(str(r['rc']) for r in rs)} | {', '.join(str(r['stopped_at_step']) for r in rs)} |"
+        )
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=1))
     print("\n".join(lines))

@@ -86,9 +86,12 @@ class MemoryReport(unifit.Callback):
         self.times.append(time.perf_counter() - self.last)
 
     def on_fit_end(self, ctx) -> None:
-        report = {"rank": ctx.rank, "state_bytes": max(ctx.module.state_bytes),
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "step_s": statistics.median(self.times[2:]) if len(self.times) > 2 else self.times[-1]}
+        report = {
+            "rank": ctx.rank,
+            "state_bytes": max(ctx.module.state_bytes),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "step_s": statistics.median(self.times[2:]) if len(self.times) > 2 else self.times[-1],
+        }
         Path(self.out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(report))
 
 
@@ -97,24 +100,41 @@ def run(strategy: str, ranks: int, steps: int, work: Path) -> dict:
     out.mkdir(parents=True)
     cfg = {
         "module": {"class_path": "benchmarks.fsdp_memory.WideMLP", "init_args": {"samples": steps * BATCH * ranks}},
-        "trainer": {"strategy": strategy, "max_epochs": 1, "batch_size": BATCH, "root_dir": str(out / "run"),
-                    "progress_bar": False, "checkpoint": {"enabled": False}, "tensorboard": {"enabled": False},
-                    "lr_scaling": "none", "collective_timeout_s": 600,
-                    "callbacks": [{"class_path": "benchmarks.fsdp_memory.MemoryReport",
-                                   "init_args": {"out_dir": str(out)}}]},
+        "trainer": {
+            "strategy": strategy,
+            "max_epochs": 1,
+            "batch_size": BATCH,
+            "root_dir": str(out / "run"),
+            "progress_bar": False,
+            "checkpoint": {"enabled": False},
+            "tensorboard": {"enabled": False},
+            "lr_scaling": "none",
+            "collective_timeout_s": 600,
+            "callbacks": [{"class_path": "benchmarks.fsdp_memory.MemoryReport", "init_args": {"out_dir": str(out)}}],
+        },
     }
     (out / "exp.yaml").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "unifit", "launch", "--nproc-per-node", str(ranks), "-c",
-                           str(out / "exp.yaml")], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "unifit", "launch", "--nproc-per-node", str(ranks), "-c", str(out / "exp.yaml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{strategy} x{ranks} failed:\n{done.stderr[-3000:]}")
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    return {"strategy": strategy, "ranks": ranks, "wall_s": round(time.perf_counter() - started, 1),
-            "state_mb": max(r["state_bytes"] for r in reports) / 2**20,
-            "peak_rss_mb": max(r["peak_rss_bytes"] for r in reports) / 2**20,
-            "step_s": next(r["step_s"] for r in reports if r["rank"] == 0)}
+    return {
+        "strategy": strategy,
+        "ranks": ranks,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "state_mb": max(r["state_bytes"] for r in reports) / 2**20,
+        "peak_rss_mb": max(r["peak_rss_bytes"] for r in reports) / 2**20,
+        "step_s": next(r["step_s"] for r in reports if r["rank"] == 0),
+    }
 
 
 def main() -> None:
@@ -135,16 +155,21 @@ def main() -> None:
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     by = {(r["strategy"], r["ranks"]): r for r in rows}
     command = "nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py " + " ".join(
-        [f"--steps {args.steps}", "--ranks", *map(str, args.ranks)])
+        [f"--steps {args.steps}", "--ranks", *map(str, args.ranks)]
+    )
     lines = [
-        "# fsdp vs ddp: per-rank training-state memory and step time", "",
-        f"Command: `{command}`", "",
+        "# fsdp vs ddp: per-rank training-state memory and step time",
+        "",
+        f"Command: `{command}`",
+        "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
         f"{platform.python_version()}, gloo on CPU, one torch thread per process; load average at the end "
-        f"{os.getloadavg()[0]:.2f}.", "",
+        f"{os.getloadavg()[0]:.2f}.",
+        "",
         f"Model: {LAYERS} x Linear({WIDTH}, {WIDTH}) (100.7 M parameters, 403 MB float32), AdamW, batch {BATCH} per "
         f"rank, {args.steps} steps. State = parameters + gradients + AdamW moments held by a rank (local shards "
-        "for fsdp), counted before each optimizer step; peak RSS = the process's maximum resident set.", "",
+        "for fsdp), counted before each optimizer step; peak RSS = the process's maximum resident set.",
+        "",
         "| ranks | ddp state (MB) | fsdp state (MB) | fsdp / ddp | target 1/N + 10 % | met | ddp peak RSS (MB) "
         "| fsdp peak RSS (MB) | ddp step (s) | fsdp step (s) | fsdp / ddp step time |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -152,9 +177,11 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     for ranks in args.ranks:
         d, f = by[("ddp", ranks)], by[("fsdp", ranks)]
         ratio, target = f["state_mb"] / d["state_mb"], 1 / ranks + 0.10
-        lines.append(f"| {ranks} | {d['state_mb']:.0f} | {f['state_mb']:.0f} | {ratio:.3f} | {target:.3f} | "
-                     f"{'yes' if ratio <= target else 'no'} | {d['peak_rss_mb']:.0f} | {f['peak_rss_mb']:.0f} | "
-                     f"{d['step_s']:.2f} | {f['step_s']:.2f} | {f['step_s'] / d['step_s']:.2f} |")
+        lines.append(
+            f"| {ranks} | {d['state_mb']:.0f} | {f['state_mb']:.0f} | {ratio:.3f} | {target:.3f} | "
+            f"{'yes' if ratio <= target else 'no'} | {d['peak_rss_mb']:.0f} | {f['peak_rss_mb']:.0f} | "
+            f"{d['step_s']:.2f} | {f['step_s']:.2f} | {f['step_s'] / d['step_s']:.2f} |"
+        )
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     Path(args.out + ".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
 

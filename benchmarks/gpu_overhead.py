@@ -46,8 +46,9 @@ def build(steps: int):
 def loader(ds, workers: int):
     import torch
 
-    return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True, pin_memory=True,
-                                       num_workers=workers, persistent_workers=workers > 0)
+    return torch.utils.data.DataLoader(
+        ds, batch_size=BATCH, shuffle=True, pin_memory=True, num_workers=workers, persistent_workers=workers > 0
+    )
 
 
 def _now() -> float:
@@ -68,10 +69,11 @@ def run_raw(steps: int, precision: str, workers: int) -> list[float]:
     net.to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     data = loader(ds, workers)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16-mixed" \
-        else contextlib.nullcontext
+    autocast = (
+        (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16-mixed" else contextlib.nullcontext
+    )
     elapsed = []
-    for epoch in range(EPOCHS):
+    for _epoch in range(EPOCHS):
         start = _now()
         for x, y in data:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -100,9 +102,18 @@ def run_unifit(steps: int, precision: str, workers: int) -> list[float]:
     net, ds = build(steps)
 
     timer = type("UnifitTimer", (_Timer, unifit.Callback), {})()
-    unifit.Trainer(max_epochs=EPOCHS, batch_size=BATCH, accelerator="gpu", precision=precision, num_workers=workers,
-                   root_dir="benchmarks/_scratch/unifit", progress_bar=False, checkpoint={"enabled": False},
-                   tensorboard={"enabled": False}, callbacks=[timer]).fit(unifit_classifier(net, ds))
+    unifit.Trainer(
+        max_epochs=EPOCHS,
+        batch_size=BATCH,
+        accelerator="gpu",
+        precision=precision,
+        num_workers=workers,
+        root_dir="benchmarks/_scratch/unifit",
+        progress_bar=False,
+        checkpoint={"enabled": False},
+        tensorboard={"enabled": False},
+        callbacks=[timer],
+    ).fit(unifit_classifier(net, ds))
     return timer.elapsed[1:]
 
 
@@ -112,10 +123,19 @@ def run_lightning(steps: int, precision: str, workers: int) -> list[float]:
     net, ds = build(steps)
 
     timer = type("LightningTimer", (_Timer, L.Callback), {})()
-    L.Trainer(max_epochs=EPOCHS, accelerator="gpu", devices=1, precision=precision, logger=False,
-              enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-              num_sanity_val_steps=0, callbacks=[timer],
-              default_root_dir="benchmarks/_scratch/lightning").fit(lightning_classifier(net), loader(ds, workers))
+    L.Trainer(
+        max_epochs=EPOCHS,
+        accelerator="gpu",
+        devices=1,
+        precision=precision,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+        default_root_dir="benchmarks/_scratch/lightning",
+    ).fit(lightning_classifier(net), loader(ds, workers))
     return timer.elapsed[1:]
 
 
@@ -123,8 +143,14 @@ def child(runner: str, precision: str, steps: int, workers: int) -> None:
     import torch
 
     elapsed = {"raw": run_raw, "unifit": run_unifit, "lightning": run_lightning}[runner](steps, precision, workers)
-    print(json.dumps({"samples_per_s": steps * BATCH / statistics.median(elapsed),
-                      "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20}))
+    print(
+        json.dumps(
+            {
+                "samples_per_s": steps * BATCH / statistics.median(elapsed),
+                "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -140,16 +166,33 @@ def main() -> None:
     import torch
 
     gpu = torch.cuda.get_device_name(0)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p
+        ),
+    }
     results: dict[str, dict[str, list[dict]]] = {p: {r: [] for r in RUNNERS} for p in PRECISIONS}
     for rep in range(args.reps):
         for precision in PRECISIONS:
             order = RUNNERS if rep % 2 == 0 else tuple(reversed(RUNNERS))  # interleaved, order alternates
             for runner in order:
-                proc = subprocess.run([sys.executable, __file__, "--child", runner, precision, "--steps",
-                                       str(args.steps), "--workers", str(args.workers)],
-                                      env=env, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        runner,
+                        precision,
+                        "--steps",
+                        str(args.steps),
+                        "--workers",
+                        str(args.workers),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode:
                     sys.exit(f"{runner} {precision} failed:\n{proc.stderr[-3000:]}")
                 results[precision][runner].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -160,25 +203,37 @@ def main() -> None:
 def write(args: argparse.Namespace, gpu: str, results: dict[str, dict[str, list[dict]]], reps: int) -> None:
     import torch
 
-    lines = ["# GPU overhead: unifit vs a hand-written loop vs Lightning (ResNet-18, 32x32, batch 256)", "",
-             f"Command: `python benchmarks/gpu_overhead.py --reps {args.reps} --steps {args.steps} --workers {args.workers}`",
-             f"Machine: {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
-             f"date {time.strftime('%Y-%m-%d')}; median of {reps} interleaved runs, each in its own process; "
-             f"each run: median of epochs 2-{EPOCHS} of {args.steps} steps (GPU synchronized at both ends).", "",
-             "| precision | raw samples/s | unifit samples/s | Lightning samples/s | unifit/raw | unifit/raw per rep (median) | unifit/Lightning | peak GPU MB raw / unifit / Lightning |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# GPU overhead: unifit vs a hand-written loop vs Lightning (ResNet-18, 32x32, batch 256)",
+        "",
+        f"Command: `python benchmarks/gpu_overhead.py --reps {args.reps} --steps {args.steps} --workers {args.workers}`",
+        f"Machine: {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
+        f"date {time.strftime('%Y-%m-%d')}; median of {reps} interleaved runs, each in its own process; "
+        f"each run: median of epochs 2-{EPOCHS} of {args.steps} steps (GPU synchronized at both ends).",
+        "",
+        "| precision | raw samples/s | unifit samples/s | Lightning samples/s | unifit/raw | unifit/raw per rep (median) | unifit/Lightning | peak GPU MB raw / unifit / Lightning |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     summary = {}
     for precision, by_runner in results.items():
         med = {r: statistics.median(x["samples_per_s"] for x in by_runner[r]) for r in RUNNERS}
         mem = {r: statistics.median(x["peak_gpu_mb"] for x in by_runner[r]) for r in RUNNERS}
-        per_rep = statistics.median(u["samples_per_s"] / r["samples_per_s"]
-                                    for u, r in zip(by_runner["unifit"], by_runner["raw"]))
-        summary[precision] = {"samples_per_s": med, "peak_gpu_mb": mem, "unifit_over_raw": med["unifit"] / med["raw"],
-                              "unifit_over_raw_per_rep": per_rep,
-                              "unifit_over_lightning": med["unifit"] / med["lightning"], "runs": by_runner}
-        lines.append(f"| {precision} | {med['raw']:.0f} | {med['unifit']:.0f} | {med['lightning']:.0f} | "
-                     f"{med['unifit'] / med['raw']:.3f} | {per_rep:.3f} | {med['unifit'] / med['lightning']:.3f} | "
-                     f"{mem['raw']:.0f} / {mem['unifit']:.0f} / {mem['lightning']:.0f} |")
+        per_rep = statistics.median(
+            u["samples_per_s"] / r["samples_per_s"] for u, r in zip(by_runner["unifit"], by_runner["raw"])
+        )
+        summary[precision] = {
+            "samples_per_s": med,
+            "peak_gpu_mb": mem,
+            "unifit_over_raw": med["unifit"] / med["raw"],
+            "unifit_over_raw_per_rep": per_rep,
+            "unifit_over_lightning": med["unifit"] / med["lightning"],
+            "runs": by_runner,
+        }
+        lines.append(
+            f"| {precision} | {med['raw']:.0f} | {med['unifit']:.0f} | {med['lightning']:.0f} | "
+            f"{med['unifit'] / med['raw']:.3f} | {per_rep:.3f} | {med['unifit'] / med['lightning']:.3f} | "
+            f"{mem['raw']:.0f} / {mem['unifit']:.0f} / {mem['lightning']:.0f} |"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1))

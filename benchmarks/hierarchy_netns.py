@@ -41,8 +41,25 @@ def create(rate: str) -> None:
         sh("ip", "-n", ns, "link", "set", dev, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         if rate != "none":
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-               "rate", rate, "burst", "256kb", "latency", "100ms")
+            sh(
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                "100ms",
+            )
 
 
 def remove() -> None:
@@ -54,11 +71,36 @@ def run(strategy: str, port: int) -> dict:
     procs = []
     for node, (ns, dev) in enumerate(zip(NS, VETH)):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-             "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", ADDR[0], "--master-port", str(port),
-             str(REPO / "benchmarks" / "hierarchy_train.py"), strategy],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--nproc-per-node",
+                    "2",
+                    "--master-addr",
+                    ADDR[0],
+                    "--master-port",
+                    str(port),
+                    str(REPO / "benchmarks" / "hierarchy_train.py"),
+                    strategy,
+                ],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     for proc in procs:
         try:
@@ -86,7 +128,7 @@ def main() -> None:
         create(args.rate)
         port = 29650
         for rep in range(args.reps):
-            for strategy in (("ddp", "smddp-like") if rep % 2 == 0 else ("smddp-like", "ddp")):
+            for strategy in ("ddp", "smddp-like") if rep % 2 == 0 else ("smddp-like", "ddp"):
                 port += 1
                 result = run(strategy, port)
                 results[strategy].append(result["median_step_s"])
@@ -98,14 +140,18 @@ def main() -> None:
 
     params = 2 * (WIDTH * WIDTH + WIDTH)
     lines = [
-        f"# Hierarchical allreduce: ddp vs smddp-like, 2 simulated nodes x 2 ranks, link cap {args.rate}", "",
+        f"# Hierarchical allreduce: ddp vs smddp-like, 2 simulated nodes x 2 ranks, link cap {args.rate}",
+        "",
         f"Command: `sudo .venv/bin/python benchmarks/hierarchy_netns.py --rate {args.rate} --reps {args.reps}`",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, date {time.strftime('%Y-%m-%d')}. Two network "
         f"namespaces joined by a veth pair capped with tbf ({args.rate}); gloo on CPU, one thread per rank. "
         f"Model: 2 x Linear({WIDTH}, {WIDTH}), {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.1f} MB of gradients "
-        "per step), batch 4 per rank, DDP buckets of 25 MB. Median step time after 2 warm-up steps, median over reps.", "",
-        "| strategy | median step (s) | per rep |", "|---|---|---|",
-        *[f"| {k} | {med[k]:.3f} | {', '.join(f'{v:.3f}' for v in results[k])} |" for k in results], "",
+        "per step), batch 4 per rank, DDP buckets of 25 MB. Median step time after 2 warm-up steps, median over reps.",
+        "",
+        "| strategy | median step (s) | per rep |",
+        "|---|---|---|",
+        *[f"| {k} | {med[k]:.3f} | {', '.join(f'{v:.3f}' for v in results[k])} |" for k in results],
+        "",
         f"Speed-up of smddp-like over flat ddp (ddp step / smddp-like step): **{med['ddp'] / med['smddp-like']:.2f}x** "
         "(target: >= 1.3x at a 200mbit cap).",
     ]

@@ -47,15 +47,33 @@ class StepClock(unifit.Callback):
         self.marks.append(time.perf_counter())
         if ctx.rank == 0:
             steps = [b - a for a, b in zip(self.marks, self.marks[1:])][WARMUP:]
-            print(json.dumps({"strategy": ctx.config.strategy, "world_size": ctx.world_size,
-                              "median_step_s": statistics.median(steps), "steps": steps}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "strategy": ctx.config.strategy,
+                        "world_size": ctx.world_size,
+                        "median_step_s": statistics.median(steps),
+                        "steps": steps,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
     strategy = sys.argv[1]
     params = sum(p.numel() for p in Wide().parameters())
-    unifit.Trainer(strategy=strategy, max_epochs=1, batch_size=4, progress_bar=False, lr_scaling="none",
-                   checkpoint={"enabled": False}, tensorboard={"enabled": False}, nan_guard={"enabled": False},
-                   root_dir=f"/tmp/unifit-hier-{strategy}", callbacks=[StepClock()],
-                   strategy_options={"bucket_cap_mb": 25}).fit(Wide())
+    unifit.Trainer(
+        strategy=strategy,
+        max_epochs=1,
+        batch_size=4,
+        progress_bar=False,
+        lr_scaling="none",
+        checkpoint={"enabled": False},
+        tensorboard={"enabled": False},
+        nan_guard={"enabled": False},
+        root_dir=f"/tmp/unifit-hier-{strategy}",
+        callbacks=[StepClock()],
+        strategy_options={"bucket_cap_mb": 25},
+    ).fit(Wide())

@@ -23,13 +23,20 @@ import unifit
 class TeacherData:
     """Train/validation arrays of the teacher task; identical on every rank (generated from `seed`)."""
 
-    def __init__(self, n_train: int = 8192, n_val: int = 4096, dim: int = 8, teacher_hidden: int = 32,
-                 classes: int = 10, seed: int = 0) -> None:
+    def __init__(
+        self,
+        n_train: int = 8192,
+        n_val: int = 4096,
+        dim: int = 8,
+        teacher_hidden: int = 32,
+        classes: int = 10,
+        seed: int = 0,
+    ) -> None:
         import torch
 
         g = torch.Generator().manual_seed(seed)
-        w1 = torch.randn(dim, teacher_hidden, generator=g) / dim ** 0.5
-        w2 = torch.randn(teacher_hidden, classes, generator=g) / teacher_hidden ** 0.5
+        w1 = torch.randn(dim, teacher_hidden, generator=g) / dim**0.5
+        w2 = torch.randn(teacher_hidden, classes, generator=g) / teacher_hidden**0.5
         x = torch.randn(n_train + n_val, dim, generator=g)
         y = (torch.tanh(1.5 * (x @ w1)) @ w2).argmax(1)
         x_np, y_np = x.numpy().astype(np.float32), y.numpy().astype(np.int64)
@@ -46,8 +53,15 @@ class TeacherData:
 class MLPClassifier(unifit.TrainModule):
     """ReLU MLP, cross-entropy, SGD with momentum; `lr` is the base rate for base_batch_size."""
 
-    def __init__(self, in_dim: int = 8, hidden: int = 128, layers: int = 2, classes: int = 10,
-                 lr: float = 0.02, momentum: float = 0.9) -> None:
+    def __init__(
+        self,
+        in_dim: int = 8,
+        hidden: int = 128,
+        layers: int = 2,
+        classes: int = 10,
+        lr: float = 0.02,
+        momentum: float = 0.9,
+    ) -> None:
         super().__init__()
         import torch
 
@@ -105,5 +119,13 @@ class StepLog(unifit.Callback):
     def on_fit_end(self, ctx: Any) -> None:
         progress = ctx.state.progress
         out = Path(ctx.config.root_dir) / "steps.jsonl"
-        out.write_text(json.dumps({"steps_per_epoch": progress.steps_per_epoch, "global_batch": progress.global_batch,
-                                   "loss_lr": self.rows}) + "\n")
+        out.write_text(
+            json.dumps(
+                {
+                    "steps_per_epoch": progress.steps_per_epoch,
+                    "global_batch": progress.global_batch,
+                    "loss_lr": self.rows,
+                }
+            )
+            + "\n"
+        )

@@ -41,7 +41,9 @@ def data():
 
 
 def build():
-    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    return keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]
+    )
 
 
 class Module(unifit.KerasModule):
@@ -71,10 +73,18 @@ class EpochTimer(unifit.Callback):
 
 def run_unifit(strategy: str, replicas: int) -> float:
     timer = EpochTimer()
-    trainer = unifit.Trainer(strategy=strategy, max_epochs=2, batch_size=BATCH // replicas, lr_scaling="none",
-                             strategy_options={"devices": replicas} if strategy == "mirrored" else {},
-                             root_dir=tempfile.mkdtemp(), progress_bar=False, checkpoint={"enabled": False},
-                             tensorboard={"enabled": False}, callbacks=[timer])
+    trainer = unifit.Trainer(
+        strategy=strategy,
+        max_epochs=2,
+        batch_size=BATCH // replicas,
+        lr_scaling="none",
+        strategy_options={"devices": replicas} if strategy == "mirrored" else {},
+        root_dir=tempfile.mkdtemp(),
+        progress_bar=False,
+        checkpoint={"enabled": False},
+        tensorboard={"enabled": False},
+        callbacks=[timer],
+    )
     trainer.fit(Module())
     return (SAMPLES // BATCH) / timer.times[-1]
 
@@ -92,13 +102,18 @@ class FitTimer(keras.callbacks.Callback):
 
 
 def run_fit(replicas: int) -> float:
-    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)]) if replicas > 1 \
-        else tf.distribute.get_strategy()  # the default strategy, as plain model.fit uses
+    strategy = (
+        tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+        if replicas > 1
+        else tf.distribute.get_strategy()
+    )  # the default strategy, as plain model.fit uses
     x, y = data()
     with strategy.scope():
         model = build()
-        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     timer = FitTimer()
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=True, callbacks=[timer])
     return (SAMPLES // BATCH) / timer.times[-1]
@@ -120,12 +135,17 @@ def main() -> None:
                 rate = run_unifit(strategy, replicas) if runner == "unifit" else run_fit(fit_replicas)
                 results[case][runner].append(rate)
                 print(rep, case, runner, round(rate), flush=True)
-    lines = ["# Keras: unifit vs model.fit (CPU, steps/s of one epoch after a warm-up epoch)", "",
-             f"Command: `.venv/bin/python benchmarks/overhead_tf.py --reps {args.reps}`",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-             f"intra-op threads 1; date {time.strftime('%Y-%m-%d')}. Model: Dense {FEATURES}-64-10, global batch {BATCH}, "
-             f"{SAMPLES // BATCH} steps/epoch; median of {args.reps} interleaved runs.", "",
-             "| case | model.fit steps/s | unifit steps/s | unifit / model.fit |", "|---|---|---|---|"]
+    lines = [
+        "# Keras: unifit vs model.fit (CPU, steps/s of one epoch after a warm-up epoch)",
+        "",
+        f"Command: `.venv/bin/python benchmarks/overhead_tf.py --reps {args.reps}`",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+        f"intra-op threads 1; date {time.strftime('%Y-%m-%d')}. Model: Dense {FEATURES}-64-10, global batch {BATCH}, "
+        f"{SAMPLES // BATCH} steps/epoch; median of {args.reps} interleaved runs.",
+        "",
+        "| case | model.fit steps/s | unifit steps/s | unifit / model.fit |",
+        "|---|---|---|---|",
+    ]
     for case, r in results.items():
         fit, uni = statistics.median(r["model.fit"]), statistics.median(r["unifit"])
         lines.append(f"| {case} | {fit:.0f} | {uni:.0f} | {uni / fit:.2f} |")

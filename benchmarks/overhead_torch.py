@@ -55,9 +55,15 @@ def build(model: str):
         x = torch.randn(MODELS[model]["steps"] * MODELS[model]["batch"], 32)
     else:
         net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(), torch.nn.Linear(32 * 7 * 7, 10))
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32 * 7 * 7, 10),
+        )
         x = torch.randn(MODELS[model]["steps"] * MODELS[model]["batch"], 1, 28, 28)
     y = torch.randint(0, 10, (len(x),))
     return net, torch.utils.data.TensorDataset(x, y)
@@ -127,10 +133,13 @@ def run_unifit(model: str, defaults: bool = False) -> dict[str, dict[str, float]
 
     net, ds = build(model)
     timer = type("UnifitTimer", (_Timer, unifit.Callback), {})()
-    off = {} if defaults else {"progress_bar": False, "checkpoint": {"enabled": False}, "tensorboard": {"enabled": False}}
+    off = (
+        {} if defaults else {"progress_bar": False, "checkpoint": {"enabled": False}, "tensorboard": {"enabled": False}}
+    )
     root = f"benchmarks/_scratch/unifit_{'defaults' if defaults else 'minimal'}"
     unifit.Trainer(max_epochs=1, batch_size=MODELS[model]["batch"], root_dir=root, callbacks=[timer], **off).fit(
-        unifit_classifier(net, ds))
+        unifit_classifier(net, ds)
+    )
     return {"train": timer.train, "epoch": timer.epoch}
 
 
@@ -142,9 +151,18 @@ def run_lightning(model: str) -> dict[str, dict[str, float]]:
 
     timer = type("LightningTimer", (_Timer, L.Callback), {})()
     loader = torch.utils.data.DataLoader(ds, batch_size=MODELS[model]["batch"], shuffle=True)
-    L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-              enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0,
-              callbacks=[timer], default_root_dir="benchmarks/_scratch/lightning").fit(lightning_classifier(net), loader)
+    L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+        default_root_dir="benchmarks/_scratch/lightning",
+    ).fit(lightning_classifier(net), loader)
     return {"train": timer.train, "epoch": timer.epoch}
 
 
@@ -152,14 +170,26 @@ def child(runner: str, model: str) -> None:
     import torch
 
     torch.set_num_threads(1)
-    run = {"raw": run_raw, "unifit": run_unifit, "unifit_defaults": lambda m: run_unifit(m, defaults=True),
-           "lightning": run_lightning}[runner]
+    run = {
+        "raw": run_raw,
+        "unifit": run_unifit,
+        "unifit_defaults": lambda m: run_unifit(m, defaults=True),
+        "lightning": run_lightning,
+    }[runner]
     times = run(model)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     steps = MODELS[model]["steps"]
-    print(json.dumps({"steps_per_s": {clock: steps / times["train"][clock] for clock in ("cpu", "wall")},
-                      "with_epoch_end_steps_per_s": {clock: steps / times["epoch"][clock] for clock in ("cpu", "wall")},
-                      "peak_rss_mb": peak_mb, "stderr_tty": sys.stderr.isatty()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "steps_per_s": {clock: steps / times["train"][clock] for clock in ("cpu", "wall")},
+                "with_epoch_end_steps_per_s": {clock: steps / times["epoch"][clock] for clock in ("cpu", "wall")},
+                "peak_rss_mb": peak_mb,
+                "stderr_tty": sys.stderr.isatty(),
+            }
+        ),
+        flush=True,
+    )
 
 
 def spawn(runner: str, model: str, env: dict[str, str]) -> dict:
@@ -200,7 +230,9 @@ def _commit() -> str:
     """The unifit commit measured (the checkout this script belongs to; UNIFIT_COMMIT for a copy)."""
     root = Path(__file__).resolve().parents[1]
     found = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "unifit"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--", "unifit"], capture_output=True, text=True
+    )
     if found.returncode == 0:
         return found.stdout.strip() + (" (unifit/ modified)" if dirty.stdout.strip() else "")
     return os.environ.get("UNIFIT_COMMIT", "?")
@@ -217,10 +249,20 @@ def instructions(runner: str, model: str, env: dict[str, str], scratch: Path) ->
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("cg.*"):
         old.unlink()
-    cmd = ["valgrind", "--tool=callgrind", "--dump-before=getsid", f"--callgrind-out-file={out}/cg",
-           sys.executable, __file__, "--child", runner, model]
-    proc = subprocess.run(cmd, env={**env, "BENCH_MARK": "1", "PYTHONHASHSEED": "0", "UNIFIT_TTY": "0"},
-                          capture_output=True, text=True)
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        "--dump-before=getsid",
+        f"--callgrind-out-file={out}/cg",
+        sys.executable,
+        __file__,
+        "--child",
+        runner,
+        model,
+    ]
+    proc = subprocess.run(
+        cmd, env={**env, "BENCH_MARK": "1", "PYTHONHASHSEED": "0", "UNIFIT_TTY": "0"}, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{runner} {model} under callgrind failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 
@@ -244,26 +286,46 @@ def instructions_report(models: list[str], runners: list[str], env: dict[str, st
         done = dict(zip(tasks, pool.map(lambda t: instructions(*t, env, scratch), tasks)))
     for (r, m), v in done.items():
         print(m, r, json.dumps(v), flush=True)
-    lines = ["### instructions (valgrind callgrind; load-independent)", "",
-             "| model | steps/epoch | " + " | ".join(f"{LABELS[r]} Ir/step" for r in runners) + " | " +
-             " | ".join(f"{LABELS[r]}: raw/it (+ epoch end)" for r in runners if r != "raw") + " |",
-             "|---|---|" + "---|" * (2 * len(runners) - 1)]
+    lines = [
+        "### instructions (valgrind callgrind; load-independent)",
+        "",
+        "| model | steps/epoch | "
+        + " | ".join(f"{LABELS[r]} Ir/step" for r in runners)
+        + " | "
+        + " | ".join(f"{LABELS[r]}: raw/it (+ epoch end)" for r in runners if r != "raw")
+        + " |",
+        "|---|---|" + "---|" * (2 * len(runners) - 1),
+    ]
     for m in models:
         raw = done[("raw", m)]
-        lines.append(f"| {m} | {MODELS[m]['steps']} | " + " | ".join(f"{done[(r, m)]['train_ir_per_step']:,.0f}" for r in runners)
-                     + " | " + " | ".join(
-                         f"{raw['train_ir_per_step'] / done[(r, m)]['train_ir_per_step']:.4f} "
-                         f"({raw['with_epoch_end_ir_per_step'] / done[(r, m)]['with_epoch_end_ir_per_step']:.4f})"
-                         for r in runners if r != "raw") + " |")
-    return lines + ["", "raw/it is the time ratio the instruction counts predict at equal instructions per second; "
-                    "unifit defaults here without its progress bar (no terminal under callgrind).", ""]
+        lines.append(
+            f"| {m} | {MODELS[m]['steps']} | "
+            + " | ".join(f"{done[(r, m)]['train_ir_per_step']:,.0f}" for r in runners)
+            + " | "
+            + " | ".join(
+                f"{raw['train_ir_per_step'] / done[(r, m)]['train_ir_per_step']:.4f} "
+                f"({raw['with_epoch_end_ir_per_step'] / done[(r, m)]['with_epoch_end_ir_per_step']:.4f})"
+                for r in runners
+                if r != "raw"
+            )
+            + " |"
+        )
+    return lines + [
+        "",
+        "raw/it is the time ratio the instruction counts predict at equal instructions per second; "
+        "unifit defaults here without its progress bar (no terminal under callgrind).",
+        "",
+    ]
 
 
 def table(results: dict, models: list[str], clock: str, reps: int) -> list[str]:
-    lines = [f"### {'process CPU time' if clock == 'cpu' else 'wall time'}", "",
-             "| model | steps/epoch | raw steps/s | unifit minimal | unifit defaults | Lightning | minimal/raw | "
-             "defaults/raw | + epoch end: minimal/raw, defaults/raw | unifit minimal/Lightning | unifit - raw us/step (minimal, defaults) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {'process CPU time' if clock == 'cpu' else 'wall time'}",
+        "",
+        "| model | steps/epoch | raw steps/s | unifit minimal | unifit defaults | Lightning | minimal/raw | "
+        "defaults/raw | + epoch end: minimal/raw, defaults/raw | unifit minimal/Lightning | unifit - raw us/step (minimal, defaults) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for model in models:
         by = results[model]
         med = {r: statistics.median(x["steps_per_s"][clock] for x in by[r]) for r in RUNNERS}
@@ -273,11 +335,15 @@ def table(results: dict, models: list[str], clock: str, reps: int) -> list[str]:
             f"| {model} | {MODELS[model]['steps']} | {med['raw']:.0f} | {med['unifit']:.0f} | {med['unifit_defaults']:.0f} | "
             f"{med['lightning']:.0f} | **{med['unifit'] / med['raw']:.3f}** | **{med['unifit_defaults'] / med['raw']:.3f}** | "
             f"{end['unifit'] / end['raw']:.3f}, {end['unifit_defaults'] / end['raw']:.3f} | "
-            f"{med['unifit'] / med['lightning']:.2f} | {extra['unifit']:+.1f}, {extra['unifit_defaults']:+.1f} |")
+            f"{med['unifit'] / med['lightning']:.2f} | {extra['unifit']:+.1f}, {extra['unifit_defaults']:+.1f} |"
+        )
     rss = {m: {r: statistics.median(x["peak_rss_mb"] for x in results[m][r]) for r in RUNNERS} for m in models}
     if clock == "cpu":
-        lines += ["", "Peak RSS MB (raw / unifit minimal / unifit defaults / Lightning): " + "; ".join(
-            f"{m} {' / '.join(f'{rss[m][r]:.0f}' for r in RUNNERS)}" for m in models)]
+        lines += [
+            "",
+            "Peak RSS MB (raw / unifit minimal / unifit defaults / Lightning): "
+            + "; ".join(f"{m} {' / '.join(f'{rss[m][r]:.0f}' for r in RUNNERS)}" for m in models),
+        ]
     return lines + [""]
 
 
@@ -285,12 +351,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--out", default="benchmarks/results/overhead_torch.md",
-                        help="default: benchmarks/results/overhead_torch.md, overhead_torch_instructions.md with --instructions")
-    parser.add_argument("--instructions", action="store_true",
-                        help="count instructions per step under valgrind's callgrind instead of timing (slow, exact)")
-    parser.add_argument("--runners", default="raw,unifit,unifit_defaults",
-                        help="with --instructions: which runners (lightning is slow to import under valgrind)")
+    parser.add_argument(
+        "--out",
+        default="benchmarks/results/overhead_torch.md",
+        help="default: benchmarks/results/overhead_torch.md, overhead_torch_instructions.md with --instructions",
+    )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per step under valgrind's callgrind instead of timing (slow, exact)",
+    )
+    parser.add_argument(
+        "--runners",
+        default="raw,unifit,unifit_defaults",
+        help="with --instructions: which runners (lightning is slow to import under valgrind)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="with --instructions: children at once")
     parser.add_argument("--child", nargs=2, metavar=("RUNNER", "MODEL"))
     args = parser.parse_args()
@@ -307,13 +382,19 @@ def main() -> None:
             parser.error(f"--runners: include raw; choose from {', '.join(RUNNERS)}")
         began = time.perf_counter()
         lines = instructions_report(models, runners, env, args.jobs)
-        command = (f".venv/bin/python benchmarks/overhead_torch.py --instructions --models {','.join(models)} "
-                   f"--runners {','.join(runners)}")
-        head = ["# Per-step overhead in instructions: unifit vs a hand-written loop (CPU, 1 thread)", "",
-                f"Command: `{command}` ({(time.perf_counter() - began) / 60:.0f} min)",
-                f"unifit {_commit()}; machine: {platform.machine()}, Python {platform.python_version()}, {subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}; "
-                f"date {time.strftime('%Y-%m-%d')}; one run each (repeatable to ~0.1%): instructions executed "
-                "from on_train_epoch_start to on_train_epoch_end (and to after the epoch-end callbacks), per step.", ""]
+        command = (
+            f".venv/bin/python benchmarks/overhead_torch.py --instructions --models {','.join(models)} "
+            f"--runners {','.join(runners)}"
+        )
+        head = [
+            "# Per-step overhead in instructions: unifit vs a hand-written loop (CPU, 1 thread)",
+            "",
+            f"Command: `{command}` ({(time.perf_counter() - began) / 60:.0f} min)",
+            f"unifit {_commit()}; machine: {platform.machine()}, Python {platform.python_version()}, {subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}; "
+            f"date {time.strftime('%Y-%m-%d')}; one run each (repeatable to ~0.1%): instructions executed "
+            "from on_train_epoch_start to on_train_epoch_end (and to after the epoch-end callbacks), per step.",
+            "",
+        ]
         default = "benchmarks/results/overhead_torch_instructions.md"
         out = Path(args.out if args.out != parser.get_default("out") else default)
         out.write_text("\n".join(head + lines))
@@ -329,13 +410,17 @@ def main() -> None:
                 print(rep, model, runner, json.dumps(results[model][runner][-1]), flush=True)
     took = time.perf_counter() - began
     command = f".venv/bin/python benchmarks/overhead_torch.py --reps {args.reps} --models {','.join(models)}"
-    lines = ["# Per-step overhead: unifit vs a hand-written loop vs Lightning (CPU, 1 thread)", "",
-             f"Command: `{command}` ({took / 60:.0f} min)",
-             f"unifit {_commit()}; machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-             f"date {time.strftime('%Y-%m-%d')}; load average at the end {os.getloadavg()[0]:.1f}; median of {args.reps} "
-             "interleaved runs, each in its own process; one training epoch (set-up excluded), steps/s. "
-             "unifit minimal: progress bar, checkpoints, TensorBoard off; defaults: all on, stderr a terminal. "
-             "`+ epoch end`: until after unifit's epoch-end callbacks (checkpoint included).", ""]
+    lines = [
+        "# Per-step overhead: unifit vs a hand-written loop vs Lightning (CPU, 1 thread)",
+        "",
+        f"Command: `{command}` ({took / 60:.0f} min)",
+        f"unifit {_commit()}; machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        f"date {time.strftime('%Y-%m-%d')}; load average at the end {os.getloadavg()[0]:.1f}; median of {args.reps} "
+        "interleaved runs, each in its own process; one training epoch (set-up excluded), steps/s. "
+        "unifit minimal: progress bar, checkpoints, TensorBoard off; defaults: all on, stderr a terminal. "
+        "`+ epoch end`: until after unifit's epoch-end callbacks (checkpoint included).",
+        "",
+    ]
     for clock in ("cpu", "wall"):
         lines += table(results, models, clock, args.reps)
     tty = all(x["stderr_tty"] for m in models for x in results[m]["unifit_defaults"])
@@ -345,7 +430,8 @@ def main() -> None:
         by = results[model]
         summary[model] = {
             clock: {"steps_per_s": {r: statistics.median(x["steps_per_s"][clock] for x in by[r]) for r in RUNNERS}}
-            for clock in ("cpu", "wall")}
+            for clock in ("cpu", "wall")
+        }
         for clock in ("cpu", "wall"):
             s = summary[model][clock]["steps_per_s"]
             summary[model][clock].update({f"{r}_over_raw": s[r] / s["raw"] for r in RUNNERS if r != "raw"})

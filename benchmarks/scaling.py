@@ -34,17 +34,24 @@ def build_net():
     import torch
 
     return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 7 * 7, 10))
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 7 * 7, 10),
+    )
 
 
 def dataset(samples: int):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(samples, 1, 28, 28, generator=g),
-                                          torch.randint(0, 10, (samples,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(samples, 1, 28, 28, generator=g), torch.randint(0, 10, (samples,), generator=g)
+    )
 
 
 class ScalingCNN(unifit.TrainModule):
@@ -153,16 +160,33 @@ def hand_horovod(steps: int, out: str) -> None:
 # ---- driver ------------------------------------------------------------------------------
 def command(runner: str, procs: int, steps: int, out: str, scratch: str) -> list[str]:
     py = sys.executable
-    launch = {"ddp": [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)],
-              "horovod": [py, "-m", "horovod.runner.launch", "-np", str(procs), "-H", f"localhost:{procs}", "--gloo"]}
+    launch = {
+        "ddp": [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)],
+        "horovod": [py, "-m", "horovod.runner.launch", "-np", str(procs), "-H", f"localhost:{procs}", "--gloo"],
+    }
     strategy, kind = runner.split("-")
     if kind == "hand":
         script = [str(Path(__file__).resolve())] if strategy == "ddp" else [py, str(Path(__file__).resolve())]
         return [*launch[strategy], *script, "--child", runner, "--steps", str(steps), "--result", out]
     timer = {"class_path": "benchmarks.scaling.EpochTimer", "init_args": {"out": out}}
-    return [py, "-m", "unifit", "launch", "--nproc-per-node", str(procs), "-c", str(REPO / "benchmarks" / "scaling.yaml"),
-            "--trainer.strategy", strategy, "--module.init_args.samples", str(steps * BATCH * procs),
-            "--trainer.root_dir", scratch, "--trainer.callbacks", json.dumps([timer])]
+    return [
+        py,
+        "-m",
+        "unifit",
+        "launch",
+        "--nproc-per-node",
+        str(procs),
+        "-c",
+        str(REPO / "benchmarks" / "scaling.yaml"),
+        "--trainer.strategy",
+        strategy,
+        "--module.init_args.samples",
+        str(steps * BATCH * procs),
+        "--trainer.root_dir",
+        scratch,
+        "--trainer.callbacks",
+        json.dumps([timer]),
+    ]
 
 
 def measure(runner: str, procs: int, steps: int) -> float:
@@ -170,8 +194,9 @@ def measure(runner: str, procs: int, steps: int) -> float:
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        result = subprocess.run(command(runner, procs, steps, out, scratch), cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            command(runner, procs, steps, out, scratch), cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
         if result.returncode != 0 or not os.path.exists(out):
             raise SystemExit(f"{runner} x{procs} failed:\n{result.stderr[-3000:]}")
         return steps * BATCH * procs / json.loads(Path(out).read_text())["seconds"]
@@ -197,38 +222,49 @@ def main() -> None:
                 print(f"rep {rep} {runner} x{procs}: {samples[runner, procs][-1]:.0f} samples/s", flush=True)
     median = {key: statistics.median(values) for key, values in samples.items()}
     # per repetition, from the adjacent 1- and 2-process runs: drift on this shared machine cancels
-    efficiency = {r: statistics.median(two / (2 * one) for one, two in zip(samples[r, 1], samples[r, 2]))
-                  for r in RUNNERS}
+    efficiency = {
+        r: statistics.median(two / (2 * one) for one, two in zip(samples[r, 1], samples[r, 2])) for r in RUNNERS
+    }
     rows = [f"| {r} | {median[r, 1]:.0f} | {median[r, 2]:.0f} | {efficiency[r]:.3f} |" for r in RUNNERS]
     relative = {s: efficiency[f"{s}-unifit"] / efficiency[f"{s}-hand"] for s in ("ddp", "horovod")}
-    two_proc = {s: statistics.median(u / h for u, h in zip(samples[f"{s}-unifit", 2], samples[f"{s}-hand", 2]))
-                for s in ("ddp", "horovod")}
-    one_proc = {s: statistics.median(u / h for u, h in zip(samples[f"{s}-unifit", 1], samples[f"{s}-hand", 1]))
-                for s in ("ddp", "horovod")}
-    text = "\n".join([
-        "# Scaling efficiency: unifit vs hand-written DDP / Horovod",
-        "",
-        f"Command: `python benchmarks/scaling.py --reps {args.reps} --steps {args.steps}`",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}; small CNN, batch {BATCH} per process, 1 thread per process, CPU (gloo); "
-        f"median of {args.reps} interleaved runs, samples/s of the second epoch ({args.steps} steps per process).",
-        "",
-        "| runner | 1 process (samples/s, median) | 2 processes (samples/s, median) | efficiency (median per rep) |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-        *(f"- {s}: unifit's efficiency / hand-written's = {relative[s]:.3f} "
-          f"({'within' if relative[s] >= 0.97 else 'NOT within'} 3%); unifit / hand-written throughput, median of "
-          f"per-rep ratios: 2 processes {two_proc[s]:.3f}, 1 process {one_proc[s]:.3f}" for s in ("ddp", "horovod")),
-        "",
-        "Note: at 1 process unifit does not wrap the model or optimizer (no DDP, no hvd.DistributedOptimizer, "
-        "nothing to average), while the hand-written scripts do, as the guides write them; a faster 1-process "
-        "baseline lowers unifit's efficiency by the same factor even at equal 2-process throughput.",
-        "",
-        "Raw samples/s per run: `" + json.dumps({f"{r} x{p}": [round(v) for v in vs] for (r, p), vs in samples.items()})
-        + "`",
-        "",
-    ])
+    two_proc = {
+        s: statistics.median(u / h for u, h in zip(samples[f"{s}-unifit", 2], samples[f"{s}-hand", 2]))
+        for s in ("ddp", "horovod")
+    }
+    one_proc = {
+        s: statistics.median(u / h for u, h in zip(samples[f"{s}-unifit", 1], samples[f"{s}-hand", 1]))
+        for s in ("ddp", "horovod")
+    }
+    text = "\n".join(
+        [
+            "# Scaling efficiency: unifit vs hand-written DDP / Horovod",
+            "",
+            f"Command: `python benchmarks/scaling.py --reps {args.reps} --steps {args.steps}`",
+            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}; small CNN, batch {BATCH} per process, 1 thread per process, CPU (gloo); "
+            f"median of {args.reps} interleaved runs, samples/s of the second epoch ({args.steps} steps per process).",
+            "",
+            "| runner | 1 process (samples/s, median) | 2 processes (samples/s, median) | efficiency (median per rep) |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            *(
+                f"- {s}: unifit's efficiency / hand-written's = {relative[s]:.3f} "
+                f"({'within' if relative[s] >= 0.97 else 'NOT within'} 3%); unifit / hand-written throughput, median of "
+                f"per-rep ratios: 2 processes {two_proc[s]:.3f}, 1 process {one_proc[s]:.3f}"
+                for s in ("ddp", "horovod")
+            ),
+            "",
+            "Note: at 1 process unifit does not wrap the model or optimizer (no DDP, no hvd.DistributedOptimizer, "
+            "nothing to average), while the hand-written scripts do, as the guides write them; a faster 1-process "
+            "baseline lowers unifit's efficiency by the same factor even at equal 2-process throughput.",
+            "",
+            "Raw samples/s per run: `"
+            + json.dumps({f"{r} x{p}": [round(v) for v in vs] for (r, p), vs in samples.items()})
+            + "`",
+            "",
+        ]
+    )
     Path(args.out).write_text(text)
     print(text)
 

@@ -7,8 +7,11 @@ import uuid
 
 import pytest
 
-FAKE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "unifit-test", "AWS_SECRET_ACCESS_KEY": "unifit-test-secret",
-                    "AWS_DEFAULT_REGION": "us-east-1"}
+FAKE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "unifit-test",
+    "AWS_SECRET_ACCESS_KEY": "unifit-test-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 class S3Endpoint:
@@ -34,8 +37,11 @@ class S3Endpoint:
     def fs(self):
         import s3fs
 
-        return s3fs.S3FileSystem(key=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                                 secret=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"], endpoint_url=self.url)
+        return s3fs.S3FileSystem(
+            key=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            endpoint_url=self.url,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -140,12 +140,20 @@ class Cluster:
     def run(self, host: int, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run([*self.prefix(host), *cmd], check=check, capture_output=True, text=True, timeout=30)
 
-    def popen(self, host: int, cmd: list[str], log: Path, env: dict[str, str] | None = None,
-              cwd: Path | str | None = None) -> subprocess.Popen:
+    def popen(
+        self, host: int, cmd: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | str | None = None
+    ) -> subprocess.Popen:
         """Start `cmd` on `host` in a session of its own, stdout and stderr into `log`."""
         with open(log, "w") as out:
-            proc = subprocess.Popen([*self.prefix(host), *cmd], env=env, cwd=cwd, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, text=True)
+            proc = subprocess.Popen(
+                [*self.prefix(host), *cmd],
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                text=True,
+            )
         self.procs.append(proc)
         return proc
 

@@ -35,25 +35,30 @@ trainer:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("override, needles", [
-    (["--trainer.strategy", "nope"], ["trainer.strategy", "'nope'", "single, ddp"]),
-    (["--trainer.batch_size", "-4"], ["trainer.batch_size", "-4", "greater than 0"]),
-    (["--trainer.max_epochs", "ten"], ["trainer.max_epochs", "'ten'", "integer"]),
-    (["--trainer.max_epoch", "3"], ["unknown key 'trainer.max_epoch'", "did you mean 'max_epochs'"]),
-    (["--trainer.checkpoint.keep_last", "3"], ["trainer.checkpoint.keep_last", "keep_last_n"]),
-    (["--trainer.lr_scaling", "cubic"], ["trainer.lr_scaling", "'cubic'", "linear"]),
-    (["--trainer.warmup_epochs", "1", "--trainer.warmup_steps", "5"], ["warmup_steps", "only one"]),
-    (["--module.class_path", "tests.probe.probe.NoSuchModule"], ["module.class_path", "NoSuchModule"]),
-    (["--module.class_path", "no_such_pkg.Module"], ["module.class_path", "no_such_pkg"]),
-    (["--module.init_args.lr", "-0.5"], ["configure_optimizers", "-0.5", "init_args"]),
-    (["--module.init_args.bogus", "1"], ["module.init_args", "bogus"]),
-    (["--trainer.strategy", "ddp", "--trainer.strategy_options.bucket_cap", "5"],
-     ["trainer.strategy_options.bucket_cap", "bucket_cap_mb"]),
-    (["--trainer.strategy_options.x", "5"], ["trainer.strategy_options.x", "valid keys: (none)"]),
-    (["--trainer.accelerator", "tpu"], ["trainer.accelerator", "'tpu'"]),
-    (["--trainer.bogus"], ["--trainer.bogus", "no value"]),
-    (["--epochs", "3"], ["unknown argument '--epochs'"]),
-])
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        (["--trainer.strategy", "nope"], ["trainer.strategy", "'nope'", "single, ddp"]),
+        (["--trainer.batch_size", "-4"], ["trainer.batch_size", "-4", "greater than 0"]),
+        (["--trainer.max_epochs", "ten"], ["trainer.max_epochs", "'ten'", "integer"]),
+        (["--trainer.max_epoch", "3"], ["unknown key 'trainer.max_epoch'", "did you mean 'max_epochs'"]),
+        (["--trainer.checkpoint.keep_last", "3"], ["trainer.checkpoint.keep_last", "keep_last_n"]),
+        (["--trainer.lr_scaling", "cubic"], ["trainer.lr_scaling", "'cubic'", "linear"]),
+        (["--trainer.warmup_epochs", "1", "--trainer.warmup_steps", "5"], ["warmup_steps", "only one"]),
+        (["--module.class_path", "tests.probe.probe.NoSuchModule"], ["module.class_path", "NoSuchModule"]),
+        (["--module.class_path", "no_such_pkg.Module"], ["module.class_path", "no_such_pkg"]),
+        (["--module.init_args.lr", "-0.5"], ["configure_optimizers", "-0.5", "init_args"]),
+        (["--module.init_args.bogus", "1"], ["module.init_args", "bogus"]),
+        (
+            ["--trainer.strategy", "ddp", "--trainer.strategy_options.bucket_cap", "5"],
+            ["trainer.strategy_options.bucket_cap", "bucket_cap_mb"],
+        ),
+        (["--trainer.strategy_options.x", "5"], ["trainer.strategy_options.x", "valid keys: (none)"]),
+        (["--trainer.accelerator", "tpu"], ["trainer.accelerator", "'tpu'"]),
+        (["--trainer.bogus"], ["--trainer.bogus", "no value"]),
+        (["--epochs", "3"], ["unknown argument '--epochs'"]),
+    ],
+)
 def test_bad_config_gives_one_line_and_exit_2(tmp_path, override, needles):
     exp = _write(tmp_path, BASE.format(root=tmp_path / "run"))
     _one_line_error(run_unifit("fit", "-c", str(exp), *override, timeout=60), *needles)
@@ -92,8 +97,7 @@ def test_single_strategy_refuses_many_processes(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_print_config_shows_resolved_values_with_overrides():
-    result = run_unifit("print-config", "-c", str(PROBE_YAML), "--trainer.max_epochs", "7",
-                        "--module.init_args.lr=0.2")
+    result = run_unifit("print-config", "-c", str(PROBE_YAML), "--trainer.max_epochs", "7", "--module.init_args.lr=0.2")
     assert result.returncode == 0, result.stderr
     import yaml
 
@@ -113,13 +117,18 @@ def test_keras_and_lightning_callbacks_and_sample_weights_are_refused_in_one_lin
     from unifit.errors import ConfigError
     from unifit.frameworks.keras.data import arrays
 
-    for callback, needle in [(keras.callbacks.ReduceLROnPlateau(), "a ReduceLROnPlateau scheduler"),
-                             (ModelCheckpoint(), "trainer.checkpoint"), (object(), "unifit.Callback subclass")]:
+    for callback, needle in [
+        (keras.callbacks.ReduceLROnPlateau(), "a ReduceLROnPlateau scheduler"),
+        (ModelCheckpoint(), "trainer.checkpoint"),
+        (object(), "unifit.Callback subclass"),
+    ]:
         with pytest.raises(ConfigError, match="trainer.callbacks\\[0\\]") as caught:
             Trainer(callbacks=[callback])
         assert needle in str(caught.value) and "\n" not in str(caught.value)
     x = np.zeros((4, 2), np.float32)
-    with pytest.raises(ConfigError, match=r"train_dataset\(\): received 4 arrays; give \(x, y\) or \(x, y, sample_weight\)"):
+    with pytest.raises(
+        ConfigError, match=r"train_dataset\(\): received 4 arrays; give \(x, y\) or \(x, y, sample_weight\)"
+    ):
         arrays((x, x[:, 0], np.ones(4), np.ones(4)), "train_dataset()")
     with pytest.raises(ConfigError, match=r"train_dataset\(\): sample weights have shape \(4, 2\)"):
         arrays((x, x[:, 0], np.ones((4, 2))), "train_dataset()")

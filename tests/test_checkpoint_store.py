@@ -14,7 +14,6 @@ import torch
 
 import unifit
 from tests.probe.probe import ProbeModule
-
 from unifit.errors import CheckpointNotFoundError
 from unifit.trainer.checkpoint_store import MARKER, CheckpointStore, checkpoint_name
 
@@ -22,6 +21,7 @@ from unifit.trainer.checkpoint_store import MARKER, CheckpointStore, checkpoint_
 def _writer(text: str):
     def write(fs, directory):
         fs.pipe_file(f"{directory}/state.pt", text.encode())
+
     return write
 
 
@@ -121,9 +121,15 @@ class _Weights(unifit.Callback):
 
 
 def _fit(tmp_path, callback, **checkpoint):
-    trainer = unifit.Trainer(max_epochs=1, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
-                             tensorboard={"enabled": False}, callbacks=[callback],
-                             checkpoint={"every_n_steps": 2, "keep_last_n": None, **checkpoint})
+    trainer = unifit.Trainer(
+        max_epochs=1,
+        batch_size=8,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        tensorboard={"enabled": False},
+        callbacks=[callback],
+        checkpoint={"every_n_steps": 2, "keep_last_n": None, **checkpoint},
+    )
     return trainer, trainer.fit(ProbeModule(dropout=0.0))
 
 

@@ -24,10 +24,18 @@ from unifit.strategies.environment import detect, expand_nodelist, parse_tasks_p
 def srun_env(rank: int, ntasks: int = 2, per_node: int = 2, **extra: str) -> dict[str, str]:
     """What `srun --ntasks N` sets on task `rank` (block distribution, `per_node` tasks per node)."""
     nodes = -(-ntasks // per_node)
-    return {"SLURM_JOB_ID": "4711", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(ntasks),
-            "SLURM_LOCALID": str(rank % per_node), "SLURM_NODEID": str(rank // per_node),
-            "SLURM_TASKS_PER_NODE": f"{per_node}(x{nodes})", "SLURM_JOB_NODELIST": f"node[01-{nodes:02d}]",
-            "SLURM_NNODES": str(nodes), **extra}
+    return {
+        "SLURM_JOB_ID": "4711",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_LOCALID": str(rank % per_node),
+        "SLURM_NODEID": str(rank // per_node),
+        "SLURM_TASKS_PER_NODE": f"{per_node}(x{nodes})",
+        "SLURM_JOB_NODELIST": f"node[01-{nodes:02d}]",
+        "SLURM_NNODES": str(nodes),
+        **extra,
+    }
 
 
 def facts(env) -> tuple:
@@ -35,6 +43,7 @@ def facts(env) -> tuple:
 
 
 # ---- SLURM -------------------------------------------------------------------------------------------
+
 
 def test_srun_task_is_detected_with_the_first_node_as_master():
     env = detect(srun_env(5, ntasks=8, per_node=4))
@@ -57,13 +66,24 @@ def test_slurm_port_is_the_same_for_every_task_and_differs_between_jobs():
 
 def test_slurm_uneven_tasks_per_node_and_step_values():
     # srun -n 5 on 2 nodes: 3 tasks on node 0, 2 on node 1; the step's layout wins over the job's
-    env = {**srun_env(4, ntasks=5), "SLURM_NODEID": "1", "SLURM_LOCALID": "1", "SLURM_TASKS_PER_NODE": "4(x2)",
-           "SLURM_STEP_TASKS_PER_NODE": "3,2", "SLURM_STEP_NODELIST": "gpu[7-8]", "SLURM_JOB_NODELIST": "gpu[1-8]"}
+    env = {
+        **srun_env(4, ntasks=5),
+        "SLURM_NODEID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_STEP_TASKS_PER_NODE": "3,2",
+        "SLURM_STEP_NODELIST": "gpu[7-8]",
+        "SLURM_JOB_NODELIST": "gpu[1-8]",
+    }
     found = detect(env)
     assert facts(found) == (4, 5, 1, 2, 1, "slurm") and found.master_addr == "gpu7"
     # srun --preserve-env leaves SLURM_NTASKS at the allocation's; the step's count wins
-    assert detect({**srun_env(1, ntasks=8, per_node=4), "SLURM_STEP_NUM_TASKS": "2",
-                   "SLURM_STEP_TASKS_PER_NODE": "2"}).world_size == 2
+    assert (
+        detect(
+            {**srun_env(1, ntasks=8, per_node=4), "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2"}
+        ).world_size
+        == 2
+    )
     # only --ntasks-per-node given
     plain = {k: v for k, v in srun_env(3, ntasks=4).items() if k != "SLURM_TASKS_PER_NODE"}
     assert detect({**plain, "SLURM_NTASKS_PER_NODE": "2"}).local_world_size == 2
@@ -76,16 +96,19 @@ def test_slurm_batch_script_and_salloc_shell_are_a_world_of_one():
     assert detect({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]"}).source == "none"
 
 
-@pytest.mark.parametrize("raw, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("gpu5,node[1-2]", ["gpu5", "node1", "node2"]),
-    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
-    ("n[008-010]", ["n008", "n009", "n010"]),
-    ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
-    ("a-[1-2].cluster.org,b.cluster.org", ["a-1.cluster.org", "a-2.cluster.org", "b.cluster.org"]),
-    ("10.0.0.5", ["10.0.0.5"]),
-])
+@pytest.mark.parametrize(
+    "raw, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("gpu5,node[1-2]", ["gpu5", "node1", "node2"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[008-010]", ["n008", "n009", "n010"]),
+        ("rack[1-2]-n[1,3]", ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]),
+        ("a-[1-2].cluster.org,b.cluster.org", ["a-1.cluster.org", "a-2.cluster.org", "b.cluster.org"]),
+        ("10.0.0.5", ["10.0.0.5"]),
+    ],
+)
 def test_nodelist_expansion(raw, hosts):
     assert expand_nodelist(raw) == hosts
 
@@ -111,9 +134,18 @@ def test_scontrol_is_used_when_available(monkeypatch, tmp_path):
     assert detect(srun_env(1)).master_addr == "fromscontrol"
 
 
-@pytest.mark.parametrize("name, value", [("SLURM_NTASKS", "two"), ("SLURM_PROCID", "x"), ("SLURM_LOCALID", "1.0"),
-                                         ("SLURM_NODEID", "?"), ("MASTER_PORT", "http"),
-                                         ("SLURM_TASKS_PER_NODE", "2(x)"), ("SLURM_JOB_NODELIST", "n[1-")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("SLURM_NTASKS", "two"),
+        ("SLURM_PROCID", "x"),
+        ("SLURM_LOCALID", "1.0"),
+        ("SLURM_NODEID", "?"),
+        ("MASTER_PORT", "http"),
+        ("SLURM_TASKS_PER_NODE", "2(x)"),
+        ("SLURM_JOB_NODELIST", "n[1-"),
+    ],
+)
 def test_bad_slurm_variable_is_a_one_line_config_error_naming_it(name, value):
     with pytest.raises(ConfigError) as info:
         detect(srun_env(1, **{name: value}))
@@ -127,8 +159,16 @@ def test_slurm_rank_outside_the_world_is_a_config_error():
 
 # ---- precedence: a launcher inside a SLURM allocation or a PyTorchJob pod -------------------------------
 
-TORCHRUN_CHILD = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-                  "MASTER_ADDR": "head", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x"}
+TORCHRUN_CHILD = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "head",
+    "MASTER_PORT": "29400",
+    "TORCHELASTIC_RUN_ID": "x",
+}
 
 
 def test_torchrun_inside_a_slurm_task_wins():
@@ -155,11 +195,21 @@ def test_slurm_wins_over_bare_rank_variables():
 
 # ---- Kubeflow PyTorchJob -------------------------------------------------------------------------------
 
+
 def pytorchjob_env(pod_rank: int, replicas: int = 3, **extra: str) -> dict[str, str]:
     """What the training operator sets in pod `pod_rank` (Master is 0, Worker i is i + 1)."""
-    return {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
-            "WORLD_SIZE": str(replicas), "RANK": str(pod_rank), "PET_NPROC_PER_NODE": "1",
-            "PET_NODE_RANK": str(pod_rank), "PET_NNODES": str(replicas), "PYTHONUNBUFFERED": "0", **extra}
+    return {
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "23456",
+        "WORLD_SIZE": str(replicas),
+        "RANK": str(pod_rank),
+        "PET_NPROC_PER_NODE": "1",
+        "PET_NODE_RANK": str(pod_rank),
+        "PET_NNODES": str(replicas),
+        "PYTHONUNBUFFERED": "0",
+        **extra,
+    }
 
 
 def test_pytorchjob_pod_is_one_process_per_node():
@@ -195,10 +245,10 @@ def test_bad_pytorchjob_variable_is_a_config_error_naming_it(name, value):
 
 # ---- Kubeflow TFJob (TF_CONFIG) ------------------------------------------------------------------------
 
+
 def tfjob_config(kind: str, index: int) -> str:
     """TF_CONFIG as the training operator writes it for a TFJob with 1 Chief, 2 Workers (and maybe PS)."""
-    cluster = {"chief": ["job-chief-0.ns.svc:2222"],
-               "worker": ["job-worker-0.ns.svc:2222", "job-worker-1.ns.svc:2222"]}
+    cluster = {"chief": ["job-chief-0.ns.svc:2222"], "worker": ["job-worker-0.ns.svc:2222", "job-worker-1.ns.svc:2222"]}
     return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}, "environment": "cloud"})
 
 
@@ -219,6 +269,7 @@ def test_tfjob_task_types_mwms_does_not_run_are_a_clear_error(kind):
 
 # ---- real processes ------------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -236,13 +287,38 @@ def port_is_free(port: int) -> bool:
 
 def fit_args(root) -> list[str]:
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
-    return ["fit", "-c", str(PROBE_YAML), "--trainer.strategy", "ddp", "--trainer.root_dir", str(root),
-            "--trainer.max_epochs", "2", "--trainer.callbacks", json.dumps([report])]
+    return [
+        "fit",
+        "-c",
+        str(PROBE_YAML),
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.root_dir",
+        str(root),
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.callbacks",
+        json.dumps([report]),
+    ]
 
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                      "MASTER_PORT", "TF_CONFIG", "HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK",
-                      "OMPI_COMM_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PET_NPROC_PER_NODE", "KUBERNETES_SERVICE_HOST")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+    "HOROVOD_RANK",
+    "HOROVOD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "PET_NPROC_PER_NODE",
+    "KUBERNETES_SERVICE_HOST",
+)
 
 
 @pytest.fixture
@@ -292,8 +368,9 @@ def slurm_job_with_free_port() -> str:
 @pytest.mark.timeout(150)
 def test_two_srun_tasks_form_one_world_and_train(tmp_path, clean_environment):
     job = slurm_job_with_free_port()
-    envs = [{**srun_env(r, ntasks=2, per_node=2), "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "localhost"}
-            for r in range(2)]
+    envs = [
+        {**srun_env(r, ntasks=2, per_node=2), "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "localhost"} for r in range(2)
+    ]
     results = run_ranks(envs, tmp_path)
     assert_one_world_trained(results, tmp_path, 2)
 
@@ -334,8 +411,17 @@ def test_bad_slurm_variable_ends_fit_with_one_line_and_exit_2(tmp_path, clean_en
 @pytest.mark.parametrize("strategy, yaml", [("horovod", PROBE_YAML), ("mwms", KERAS_PROBE_YAML)])
 def test_srun_fit_of_a_strategy_that_needs_its_launcher_is_refused(tmp_path, clean_environment, strategy, yaml):
     """`srun unifit fit` with horovod or mwms would start N processes that each train alone: refused."""
-    result = run_unifit("fit", "-c", str(yaml), "--trainer.strategy", strategy, "--trainer.root_dir", str(tmp_path),
-                        env=srun_env(0, ntasks=2, per_node=2), timeout=80)
+    result = run_unifit(
+        "fit",
+        "-c",
+        str(yaml),
+        "--trainer.strategy",
+        strategy,
+        "--trainer.root_dir",
+        str(tmp_path),
+        env=srun_env(0, ntasks=2, per_node=2),
+        timeout=80,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if "each would train alone" in line]
     assert len(lines) == 1 and "unifit launch" in lines[0], result.stderr[-2000:]

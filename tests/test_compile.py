@@ -19,9 +19,15 @@ def test_compiled_step_trains_like_the_eager_one(tmp_path):
         counters.clear()
         torch.manual_seed(0)
         module = ProbeModule(dropout=0.0)  # inductor draws dropout masks from its own generator
-        state = unifit.Trainer(max_epochs=2, batch_size=8, compile=compiled, root_dir=str(tmp_path / str(compiled)),
-                               progress_bar=False, checkpoint={"enabled": False},
-                               tensorboard={"enabled": False}).fit(module)
+        state = unifit.Trainer(
+            max_epochs=2,
+            batch_size=8,
+            compile=compiled,
+            root_dir=str(tmp_path / str(compiled)),
+            progress_bar=False,
+            checkpoint={"enabled": False},
+            tensorboard={"enabled": False},
+        ).fit(module)
         results[compiled] = (state.metrics, [w.copy() for w in module.weights()])
         graphs = counters["stats"]["unique_graphs"]
         assert (graphs >= 1) if compiled else (graphs == 0), dict(counters["stats"])  # really compiled, or not

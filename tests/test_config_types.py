@@ -93,21 +93,39 @@ def test_fit_builds_nested_class_path_and_reads_a_string_float(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("override, needles", [
-    (["--module.init_args.bogus", "1"],
-     ["unknown argument 'module.init_args.bogus'", "backbone, lr, n, report", "remove it"]),
-    (["--module.init_args.n", "abc"], ["'module.init_args.n'", "'abc'", "integer", "type int"]),
-    (["--module.init_args.backbone", "{class_path: torch.nn.Linear, init_args: {in_features: abc, out_features: 2}}"],
-     ["'module.init_args.backbone.init_args.in_features'", "'abc'", "type int"]),
-    (["--module.init_args.backbone", "{class_path: torch.nn.Linear, init_args: {out_features: 2}}"],
-     ["'module.init_args.backbone.init_args.in_features' is required", "add it"]),
-    (["--module.init_args.backbone.class_path", "torch.nn.NoSuchLayer"],
-     ["module.init_args.backbone.class_path", "'torch.nn.NoSuchLayer'", "fix"]),
-    (["--module.init_args.backbone.class_path", "collections.OrderedDict"],
-     ["module.init_args.backbone.class_path", "not a torch.nn.modules.module.Module"]),
-    (["--trainer.callbacks", f'[{{class_path: {HERE}.Layers, init_args: {{layers: 3}}}}]'],
-     ["'trainer.callbacks.0.init_args.layers'", "3"]),
-])
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        (
+            ["--module.init_args.bogus", "1"],
+            ["unknown argument 'module.init_args.bogus'", "backbone, lr, n, report", "remove it"],
+        ),
+        (["--module.init_args.n", "abc"], ["'module.init_args.n'", "'abc'", "integer", "type int"]),
+        (
+            [
+                "--module.init_args.backbone",
+                "{class_path: torch.nn.Linear, init_args: {in_features: abc, out_features: 2}}",
+            ],
+            ["'module.init_args.backbone.init_args.in_features'", "'abc'", "type int"],
+        ),
+        (
+            ["--module.init_args.backbone", "{class_path: torch.nn.Linear, init_args: {out_features: 2}}"],
+            ["'module.init_args.backbone.init_args.in_features' is required", "add it"],
+        ),
+        (
+            ["--module.init_args.backbone.class_path", "torch.nn.NoSuchLayer"],
+            ["module.init_args.backbone.class_path", "'torch.nn.NoSuchLayer'", "fix"],
+        ),
+        (
+            ["--module.init_args.backbone.class_path", "collections.OrderedDict"],
+            ["module.init_args.backbone.class_path", "not a torch.nn.modules.module.Module"],
+        ),
+        (
+            ["--trainer.callbacks", f"[{{class_path: {HERE}.Layers, init_args: {{layers: 3}}}}]"],
+            ["'trainer.callbacks.0.init_args.layers'", "3"],
+        ),
+    ],
+)
 def test_bad_init_args_give_one_line_and_exit_2_before_training(tmp_path, override, needles):
     result = run_unifit("fit", "-c", str(_experiment(tmp_path)), *override, timeout=60)
     assert result.returncode == 2, f"exit {result.returncode}\n{result.stderr}"
@@ -126,13 +144,16 @@ def test_python_api_checks_then_builds(tmp_path):
     assert config.module.init_args["backbone"] == LINEAR  # the config keeps the plain mapping (saved with the run)
 
 
-@pytest.mark.parametrize("args, needle", [
-    ({"backbone": LINEAR, "lr": "fast"}, "'module.init_args.lr' received 'fast'"),
-    ({"backbone": LINEAR, "nn": 3}, "(did you mean 'n'?)"),
-    ({"lr": 0.1}, "'module.init_args.backbone' is required by BackboneModule"),
-    ({"backbone": 3}, "'module.init_args.backbone' received 3"),
-    ({"backbone": {"class_path": "torch.nn.Linear", "args": {}}}, "'module.init_args.backbone.args'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ({"backbone": LINEAR, "lr": "fast"}, "'module.init_args.lr' received 'fast'"),
+        ({"backbone": LINEAR, "nn": 3}, "(did you mean 'n'?)"),
+        ({"lr": 0.1}, "'module.init_args.backbone' is required by BackboneModule"),
+        ({"backbone": 3}, "'module.init_args.backbone' received 3"),
+        ({"backbone": {"class_path": "torch.nn.Linear", "args": {}}}, "'module.init_args.backbone.args'"),
+    ],
+)
 def test_python_api_errors_name_the_field(args, needle):
     for step in (init_args.check, init_args.build):
         with pytest.raises(ConfigError) as info:

@@ -27,8 +27,17 @@ class Numbers(torch.utils.data.IterableDataset):
 
 
 def _epoch(stream, rank: int, train: bool, workers: int = 0, limit=None, skip: int = 0) -> list[list[int]]:
-    loader = stream_loader(stream, "train_dataset()", batch_size=4, world_size=2, rank=rank, train=train, limit=limit,
-                           num_workers=workers, pin_memory=False)
+    loader = stream_loader(
+        stream,
+        "train_dataset()",
+        batch_size=4,
+        world_size=2,
+        rank=rank,
+        train=train,
+        limit=limit,
+        num_workers=workers,
+        pin_memory=False,
+    )
     loader.dataset.set_epoch(0, skip)
     return [batch.tolist() for batch in loader]
 
@@ -55,8 +64,16 @@ def test_a_stream_without_length_needs_limit_train_batches():
 
 @pytest.mark.timeout(180)
 def test_streams_train_and_validate_under_ddp_with_loader_workers(tmp_path):
-    result = launch_probe("ddp", tmp_path, "--module.class_path", "tests.probe.probe.StreamProbe",
-                          "--trainer.num_workers", "2", "--trainer.max_epochs", "2")
+    result = launch_probe(
+        "ddp",
+        tmp_path,
+        "--module.class_path",
+        "tests.probe.probe.StreamProbe",
+        "--trainer.num_workers",
+        "2",
+        "--trainer.max_epochs",
+        "2",
+    )
     assert_ok(result)
     ranks = reports(tmp_path)
     epoch = [r["seen"]["train_epoch_0"] for r in ranks]

@@ -12,14 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 
 
 def build(config: Path, site: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about MkDocs 2, not ours
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-                          cwd=config.parent, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        cwd=config.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def copy_project(tmp_path: Path) -> Path:
@@ -45,13 +50,23 @@ def test_site_builds_strict_with_every_page(tmp_path):
         html = (site / "benchmarks" / result_md.stem / "index.html").read_text()
         heading = next(line for line in result_md.read_text().splitlines() if line.startswith("# "))
         words = re.findall(r"[A-Za-z0-9]+", heading)
-        assert "<h1" in html and all(word in html for word in words), f"benchmarks/results/{result_md.name} not rendered"
-    api = {"trainer": ["trainer.trainer.Trainer", "trainer.trainer.Trainer.fit", "trainer.config.TrainerConfig"],
-           "modules": ["frameworks.torch.module.TrainModule", "frameworks.keras.module.KerasModule",
-                       "frameworks.module.ModuleBase.log"],
-           "callbacks": ["callbacks.base.Callback", "callbacks.base.Callback.on_epoch_end"],
-           "strategies": ["strategies.base.Strategy", "strategies.base.Strategy.barrier",
-                          "strategies.base.TorchDistributedStrategy"]}
+        assert "<h1" in html and all(word in html for word in words), (
+            f"benchmarks/results/{result_md.name} not rendered"
+        )
+    api = {
+        "trainer": ["trainer.trainer.Trainer", "trainer.trainer.Trainer.fit", "trainer.config.TrainerConfig"],
+        "modules": [
+            "frameworks.torch.module.TrainModule",
+            "frameworks.keras.module.KerasModule",
+            "frameworks.module.ModuleBase.log",
+        ],
+        "callbacks": ["callbacks.base.Callback", "callbacks.base.Callback.on_epoch_end"],
+        "strategies": [
+            "strategies.base.Strategy",
+            "strategies.base.Strategy.barrier",
+            "strategies.base.TorchDistributedStrategy",
+        ],
+    }
     for page, objects in api.items():  # mkdocstrings anchors each documented object by its path
         html = (site / "api" / page / "index.html").read_text()
         for name in objects:

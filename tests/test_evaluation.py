@@ -20,13 +20,28 @@ def _metrics(result, run, stage: str) -> dict[str, float]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("trained_by, strategies", [("fsdp", ["single", "ddp", "horovod", "fsdp"]),  # sharded ckpt
-                                                    ("mwms", ["mirrored", "mwms", "horovod-keras"])])
+@pytest.mark.parametrize(
+    "trained_by, strategies",
+    [
+        ("fsdp", ["single", "ddp", "horovod", "fsdp"]),  # sharded ckpt
+        ("mwms", ["mirrored", "mwms", "horovod-keras"]),
+    ],
+)
 def test_checkpoint_evaluated_on_every_strategy_equals_one_process(tmp_path, trained_by, strategies):
     """The first strategy listed runs in one process: the reference the others must equal."""
     run = tmp_path / "run"
-    assert_ok(launch_probe(trained_by, run, "--trainer.max_epochs", "1", "--trainer.tensorboard.enabled", "false",
-                           "--trainer.checkpoint.monitor", "val/loss"))
+    assert_ok(
+        launch_probe(
+            trained_by,
+            run,
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.tensorboard.enabled",
+            "false",
+            "--trainer.checkpoint.monitor",
+            "val/loss",
+        )
+    )
     results = {}
     for strategy in strategies:
         tested = launch_probe(strategy, run, "--run", "test", ckpt="last")
@@ -41,7 +56,9 @@ def test_checkpoint_evaluated_on_every_strategy_equals_one_process(tmp_path, tra
     for strategy, (metrics, predictions) in results.items():
         metrics.pop("test/rank_plus_one", None)  # differs by design: which rank saw a sample
         reference_metrics.pop("test/rank_plus_one", None)
-        assert metrics == pytest.approx(reference_metrics, rel=1e-6), strategy  # exact over uneven shards (float32 steps)
+        assert metrics == pytest.approx(reference_metrics, rel=1e-6), (
+            strategy
+        )  # exact over uneven shards (float32 steps)
         assert predictions[:, 0].tolist() == list(range(23)), strategy  # dataset order, each sample once
         torch.testing.assert_close(predictions, reference_predictions, rtol=1e-5, atol=1e-6)
 
@@ -67,7 +84,8 @@ def test_python_api_and_bad_input(tmp_path):
 
     with pytest.raises(UnifitError, match="no committed checkpoint"):
         Trainer(strategy="single", batch_size=8, root_dir=str(tmp_path / "empty"), progress_bar=False).test(
-            ProbeModule(), ckpt_path="last")
+            ProbeModule(), ckpt_path="last"
+        )
 
 
 @pytest.mark.timeout(120)

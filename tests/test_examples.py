@@ -9,9 +9,20 @@ from tests.helpers import assert_ok, metrics_lines, run_unifit
 
 @pytest.mark.timeout(300)
 def test_digits_example_reaches_95_percent_with_two_ddp_processes(tmp_path):
-    result = run_unifit("launch", "--nproc-per-node", "2", "-c", "examples/digits/torch.yaml",
-                        "--trainer.root_dir", str(tmp_path), "--trainer.checkpoint.dir", str(tmp_path / "ckpt"),
-                        "--trainer.tensorboard.log_dir", str(tmp_path / "tb"), timeout=280)
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "-c",
+        "examples/digits/torch.yaml",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.checkpoint.dir",
+        str(tmp_path / "ckpt"),
+        "--trainer.tensorboard.log_dir",
+        str(tmp_path / "tb"),
+        timeout=280,
+    )
     assert_ok(result)
     assert "world size 2" in result.stdout and "final metrics" in result.stdout
     last = metrics_lines(tmp_path)[-1]

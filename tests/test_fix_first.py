@@ -13,8 +13,15 @@ from unifit.trainer.loading import apply_overrides, load_yaml
 
 
 def _trainer(tmp_path, **kw):
-    base = dict(max_epochs=3, batch_size=8, root_dir=str(tmp_path), progress_bar=False, lr_scaling="none",
-                tensorboard={"enabled": False}, checkpoint={"enabled": False})
+    base = dict(
+        max_epochs=3,
+        batch_size=8,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        lr_scaling="none",
+        tensorboard={"enabled": False},
+        checkpoint={"enabled": False},
+    )
     return unifit.Trainer(**{**base, **kw})
 
 
@@ -38,8 +45,10 @@ class Optimizers(ProbeModule):
             "plateau_no_monitor": lambda: {"optimizer": opt, "lr_scheduler": plateau},
             "plateau_dict": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"}},
             "plateau_top_monitor": lambda: {"optimizer": opt, "lr_scheduler": plateau, "monitor": "val/loss"},
-            "plateau_missing_metric": lambda: {"optimizer": opt,
-                                               "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}},
+            "plateau_missing_metric": lambda: {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"},
+            },
             "lists": lambda: ([opt], [step]),
             "dict_frequency": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": step, "frequency": 2}},
             "bad_key": lambda: {"optimizer": opt, "lr_scheduler": {"scheduler": step, "every": 2}},
@@ -48,15 +57,18 @@ class Optimizers(ProbeModule):
         }[self.form]()
 
 
-@pytest.mark.parametrize("form, needles", [
-    ("two_list", ["2 optimizers", "SGD, SGD", "one optimizer"]),
-    ("two_tuple", ["2 optimizers", "one optimizer"]),
-    ("two_lists", ["2 optimizers"]),
-    ("plateau_no_monitor", ["ReduceLROnPlateau needs", "monitor"]),
-    ("bad_key", ["'every'", "scheduler"]),
-    ("bad_interval", ["'batch'", "'epoch' or 'step'"]),
-    ("monitor_step", ["StepLR", "takes no metric"]),
-])
+@pytest.mark.parametrize(
+    "form, needles",
+    [
+        ("two_list", ["2 optimizers", "SGD, SGD", "one optimizer"]),
+        ("two_tuple", ["2 optimizers", "one optimizer"]),
+        ("two_lists", ["2 optimizers"]),
+        ("plateau_no_monitor", ["ReduceLROnPlateau needs", "monitor"]),
+        ("bad_key", ["'every'", "scheduler"]),
+        ("bad_interval", ["'batch'", "'epoch' or 'step'"]),
+        ("monitor_step", ["StepLR", "takes no metric"]),
+    ],
+)
 def test_optimizer_forms_refused_at_setup_before_any_step(tmp_path, form, needles):
     module = Optimizers(form)
     with pytest.raises(ConfigError) as error:
@@ -73,11 +85,11 @@ def test_reduce_lr_on_plateau_steps_on_the_monitored_metric_and_resumes(tmp_path
     module = Optimizers(form)
     final = _trainer(tmp_path, checkpoint={"enabled": True}).fit(module)
     # threshold=10 (rel): no epoch counts as an improvement, patience 0 -> halved after each epoch
-    assert module.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
-    assert final.metrics["lr"] == pytest.approx(0.05 * 0.5 ** 3)  # what the next step uses
+    assert module.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**3)
+    assert final.metrics["lr"] == pytest.approx(0.05 * 0.5**3)  # what the next step uses
     resumed = Optimizers(form)
     _trainer(tmp_path, checkpoint={"enabled": True}, max_epochs=4).fit(resumed, ckpt_path="last")
-    assert resumed.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 4)  # the plateau state came back
+    assert resumed.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**4)  # the plateau state came back
 
 
 def test_monitored_metric_that_is_never_logged_is_named(tmp_path):
@@ -88,10 +100,10 @@ def test_monitored_metric_that_is_never_logged_is_named(tmp_path):
 def test_lightning_list_form_and_scheduler_frequency(tmp_path):
     lists = Optimizers("lists")
     _trainer(tmp_path / "a").fit(lists)
-    assert lists.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+    assert lists.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**3)
     every_two = Optimizers("dict_frequency")
     _trainer(tmp_path / "b", max_epochs=4).fit(every_two)
-    assert every_two.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 2)
+    assert every_two.opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**2)
 
 
 def test_scientific_notation_is_a_float_in_files_and_overrides(tmp_path):
@@ -105,10 +117,23 @@ def test_scientific_notation_is_a_float_in_files_and_overrides(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_digits_example_takes_an_lr_in_scientific_notation(tmp_path):
-    result = run_unifit("fit", "-c", "examples/digits/torch.yaml", "--trainer.strategy", "single",
-                        "--trainer.root_dir", str(tmp_path), "--trainer.checkpoint.dir", str(tmp_path / "ckpt"),
-                        "--trainer.tensorboard.log_dir", str(tmp_path / "tb"), "--trainer.max_epochs", "1",
-                        "--module.init_args.lr", "5e-2")
+    result = run_unifit(
+        "fit",
+        "-c",
+        "examples/digits/torch.yaml",
+        "--trainer.strategy",
+        "single",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.checkpoint.dir",
+        str(tmp_path / "ckpt"),
+        "--trainer.tensorboard.log_dir",
+        str(tmp_path / "tb"),
+        "--trainer.max_epochs",
+        "1",
+        "--module.init_args.lr",
+        "5e-2",
+    )
     assert result.returncode == 0, result.stderr
     assert "lr=0.05" in result.stdout
 
@@ -158,8 +183,9 @@ class Counter(unifit.Callback):
 
 
 def test_a_user_callback_that_stops_training_is_seen_by_the_checkpoint(tmp_path):
-    state = _trainer(tmp_path, max_epochs=10, checkpoint={"enabled": True, "every_n_epochs": 5},
-                     callbacks=[StopAtEpoch(3)]).fit(ProbeModule())
+    state = _trainer(
+        tmp_path, max_epochs=10, checkpoint={"enabled": True, "every_n_epochs": 5}, callbacks=[StopAtEpoch(3)]
+    ).fit(ProbeModule())
     assert state.epoch == 3
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["epoch=0003-step=0000024", "last.json"]
@@ -171,7 +197,8 @@ def test_two_instances_of_one_callback_keep_their_own_state(tmp_path):
     _trainer(tmp_path, max_epochs=2, checkpoint={"enabled": True}, callbacks=[first, second]).fit(ProbeModule())
     again, again2 = Counter(), Counter()
     _trainer(tmp_path, max_epochs=3, checkpoint={"enabled": True}, callbacks=[again, again2]).fit(
-        ProbeModule(), ckpt_path="last")
+        ProbeModule(), ckpt_path="last"
+    )
     assert (again.count, again2.count) == (3, 103)
 
 
@@ -190,8 +217,9 @@ def test_errors_that_are_not_the_users_input_keep_their_type_and_place(tmp_path)
     rank1 = [line for line in result.stderr.splitlines() if line.startswith("unifit: error (rank 1): rank 0 failed")]
     assert rank0 and "Error" in rank0[0] and "(at " in rank0[0] and "UNIFIT_DEBUG=1" in rank0[0], result.stderr
     assert rank1, result.stderr
-    debug = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "2", ckpt="last", timeout=100,
-                         env={"UNIFIT_DEBUG": "1"})
+    debug = launch_probe(
+        "ddp", tmp_path, "--trainer.max_epochs", "2", ckpt="last", timeout=100, env={"UNIFIT_DEBUG": "1"}
+    )
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
@@ -209,8 +237,11 @@ def test_ckpt_path_auto_starts_fresh_then_continues_and_skips_a_corrupted_newest
     newest.write_bytes(b"torn write")
     third = launch_probe("ddp", tmp_path, "--trainer.max_epochs", "4", ckpt="auto", timeout=100)
     assert third.returncode == 0, third.stderr
-    assert [line for line in third.stderr.splitlines()
-            if "epoch=0003-step=0000012 cannot be read" in line and "previous committed one" in line], third.stderr
+    assert [
+        line
+        for line in third.stderr.splitlines()
+        if "epoch=0003-step=0000012 cannot be read" in line and "previous committed one" in line
+    ], third.stderr
     assert "resumed from" in third.stderr and "epoch=0002-step=0000008" in third.stderr
     assert [m["epoch"] for m in metrics_lines(tmp_path)] == [1, 2, 3, 4]
 
@@ -224,8 +255,9 @@ class SaveNamed(unifit.Callback):
 
 
 def test_last_follows_a_checkpoint_saved_under_a_custom_name(tmp_path, caplog):
-    _trainer(tmp_path, max_epochs=2, checkpoint={"enabled": True, "every_n_epochs": 1},
-             callbacks=[SaveNamed()]).fit(ProbeModule())
+    _trainer(tmp_path, max_epochs=2, checkpoint={"enabled": True, "every_n_epochs": 1}, callbacks=[SaveNamed()]).fit(
+        ProbeModule()
+    )
     assert (tmp_path / "checkpoints" / "final").is_dir()
     with caplog.at_level("INFO", logger="unifit"):
         _trainer(tmp_path, max_epochs=3, checkpoint={"enabled": True}).fit(ProbeModule(), ckpt_path="last")
@@ -241,8 +273,14 @@ def test_nan_guard_flags_a_non_finite_loss_before_the_first_optimizer_step():
     from unifit.errors import NonFiniteLossError
     from unifit.trainer.config import NanGuardConfig
 
-    ctx = SimpleNamespace(rank=0, world_size=1, state=SimpleNamespace(global_step=0), last_checkpoint=None,
-                          finite_probe=lambda loss: (lambda: bool(np.isfinite(loss))), all_reduce_max=lambda a: a)
+    ctx = SimpleNamespace(
+        rank=0,
+        world_size=1,
+        state=SimpleNamespace(global_step=0),
+        last_checkpoint=None,
+        finite_probe=lambda loss: lambda: bool(np.isfinite(loss)),
+        all_reduce_max=lambda a: a,
+    )
     guard = NanGuard(NanGuardConfig(check_every_n_steps=1))
     with pytest.raises(NonFiniteLossError, match="non-finite loss at step 0 on rank 0"):
         guard.on_train_batch_end(ctx, float("nan"), 0)

@@ -14,8 +14,14 @@ import torch
 from tests.helpers import assert_ok, launch_probe, metrics_lines, run_unifit
 
 WIDE = ["--module.init_args.hidden", "256", "--module.init_args.dropout", "0.0"]
-STEP_FEATURES = ["--trainer.accumulate_grad_batches", "2", "--trainer.gradient_clip_val", "0.05",
-                 "--trainer.warmup_epochs", "1"]
+STEP_FEATURES = [
+    "--trainer.accumulate_grad_batches",
+    "2",
+    "--trainer.gradient_clip_val",
+    "0.05",
+    "--trainer.warmup_epochs",
+    "1",
+]
 
 
 def _shards(out: Path) -> list[dict]:
@@ -27,8 +33,17 @@ def _shard_report(out: Path) -> list[dict]:
 
 
 def _launch(strategy: str, root: Path, procs: int, *overrides: str, ckpt: str | None = None):
-    result = launch_probe(strategy, root, "--nproc-per-node", str(procs), *WIDE, *overrides, ckpt=ckpt,
-                          callbacks=_shard_report(root / "shards"), timeout=240)
+    result = launch_probe(
+        strategy,
+        root,
+        "--nproc-per-node",
+        str(procs),
+        *WIDE,
+        *overrides,
+        ckpt=ckpt,
+        callbacks=_shard_report(root / "shards"),
+        timeout=240,
+    )
     assert_ok(result)
     return result
 
@@ -98,8 +113,9 @@ def test_accumulated_clipped_warmed_up_steps_equal_ddp_and_bf16_trains(tmp_path)
         curves[strategy] = metrics_lines(tmp_path / strategy)
     for key in ("train/loss", "val/loss", "lr"):
         assert [m[key] for m in curves["fsdp"]] == pytest.approx([m[key] for m in curves["ddp"]], rel=1e-5), key
-    _launch("fsdp", tmp_path / "bf16", 2, "--trainer.max_epochs", "2", "--trainer.precision", "bf16-mixed",
-            *STEP_FEATURES)
+    _launch(
+        "fsdp", tmp_path / "bf16", 2, "--trainer.max_epochs", "2", "--trainer.precision", "bf16-mixed", *STEP_FEATURES
+    )
     bf16 = metrics_lines(tmp_path / "bf16")
     assert [m["train/loss"] for m in bf16] == pytest.approx([m["train/loss"] for m in curves["ddp"]], rel=0.05)
 
@@ -111,8 +127,19 @@ def test_tied_weights_are_sharded_as_one_group_and_resume(tmp_path):
     yaml_file = Path(__file__).parent / "probe" / "tied_probe.yaml"
 
     def run(strategy: str, root: Path, *extra: str, ckpt: str | None = None) -> list[dict]:
-        args = ["launch", "--nproc-per-node", "2", "-c", str(yaml_file), "--trainer.strategy", strategy,
-                "--trainer.root_dir", str(root), *extra, *(["--ckpt-path", ckpt] if ckpt else [])]
+        args = [
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "-c",
+            str(yaml_file),
+            "--trainer.strategy",
+            strategy,
+            "--trainer.root_dir",
+            str(root),
+            *extra,
+            *(["--ckpt-path", ckpt] if ckpt else []),
+        ]
         assert_ok(run_unifit(*args, timeout=120))
         return metrics_lines(root)
 
@@ -124,14 +151,19 @@ def test_tied_weights_are_sharded_as_one_group_and_resume(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("settings, message", [
-    ({"strategy_options": {"wrap": ["TransformerBlock"]}},
-     "trainer.strategy_options.wrap: TransformerBlock names no submodule of ProbeModule; its submodule classes are: "
-     "Dropout, Linear, Sequential, Tanh"),
-    ({"strategy_options": {"cpu_offload": True}}, "trainer.strategy_options.cpu_offload: true needs a GPU"),
-    ({"precision": "16-mixed"}, "trainer.precision: received '16-mixed', which fsdp does not support"),
-    ({"strategy_options": {"sharding": "zero3"}}, "trainer.strategy_options.sharding"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"strategy_options": {"wrap": ["TransformerBlock"]}},
+            "trainer.strategy_options.wrap: TransformerBlock names no submodule of ProbeModule; its submodule classes are: "
+            "Dropout, Linear, Sequential, Tanh",
+        ),
+        ({"strategy_options": {"cpu_offload": True}}, "trainer.strategy_options.cpu_offload: true needs a GPU"),
+        ({"precision": "16-mixed"}, "trainer.precision: received '16-mixed', which fsdp does not support"),
+        ({"strategy_options": {"sharding": "zero3"}}, "trainer.strategy_options.sharding"),
+    ],
+)
 def test_bad_fsdp_options_are_one_line(tmp_path, settings, message):
     """Checked in one process too (no launcher: a world of one, where nothing is sharded yet)."""
     from tests.probe.probe import ProbeModule
@@ -139,25 +171,36 @@ def test_bad_fsdp_options_are_one_line(tmp_path, settings, message):
     from unifit.errors import ConfigError
 
     with pytest.raises(ConfigError) as caught:
-        Trainer(strategy="fsdp", max_epochs=1, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
-                **settings).fit(ProbeModule())
+        Trainer(
+            strategy="fsdp", max_epochs=1, batch_size=8, root_dir=str(tmp_path), progress_bar=False, **settings
+        ).fit(ProbeModule())
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
 @pytest.mark.timeout(120)
 def test_hybrid_sharding_on_one_node_is_one_line_from_every_rank(tmp_path):
-    result = launch_probe("fsdp", tmp_path, "--trainer.max_epochs", "1",
-                          "--trainer.strategy_options", "{sharding: hybrid}", timeout=120)
+    result = launch_probe(
+        "fsdp", tmp_path, "--trainer.max_epochs", "1", "--trainer.strategy_options", "{sharding: hybrid}", timeout=120
+    )
     assert result.returncode == 2, result.stderr[-3000:]
-    assert ("trainer.strategy_options.sharding: 'hybrid' shards within a node and replicates across nodes, but this "
-            "job has one node (2 ranks); use 'full'") in result.stderr, result.stderr[-3000:]
+    assert (
+        "trainer.strategy_options.sharding: 'hybrid' shards within a node and replicates across nodes, but this "
+        "job has one node (2 ranks); use 'full'"
+    ) in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.timeout(120)
 def test_keras_module_under_fsdp_is_refused(tmp_path):
-    result = run_unifit("fit", "-c", str(Path(__file__).parent / "probe" / "keras_probe.yaml"),
-                        "--trainer.strategy", "fsdp", "--trainer.root_dir", str(tmp_path))
+    result = run_unifit(
+        "fit",
+        "-c",
+        str(Path(__file__).parent / "probe" / "keras_probe.yaml"),
+        "--trainer.strategy",
+        "fsdp",
+        "--trainer.root_dir",
+        str(tmp_path),
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "trainer.strategy: 'fsdp' trains torch modules" in result.stderr
     assert "use one of: single, horovod, mirrored, mwms" in result.stderr

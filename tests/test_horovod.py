@@ -20,14 +20,25 @@ from unifit.strategies.launchers.base import LaunchSpec
 from unifit.strategies.launchers.horovodrun import HorovodrunLauncher
 
 
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("example", ["torch", "keras"])
 def test_digits_examples_reach_95_percent_under_horovod(tmp_path, example):
-    result = run_unifit("launch", "--nproc-per-node", "2", "-c", f"examples/digits/{example}.yaml",
-                        "--trainer.strategy", "horovod", "--trainer.root_dir", str(tmp_path),
-                        "--trainer.checkpoint.dir", str(tmp_path / "ckpt"),
-                        "--trainer.tensorboard.log_dir", str(tmp_path / "tb"), timeout=380)
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "-c",
+        f"examples/digits/{example}.yaml",
+        "--trainer.strategy",
+        "horovod",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.checkpoint.dir",
+        str(tmp_path / "ckpt"),
+        "--trainer.tensorboard.log_dir",
+        str(tmp_path / "tb"),
+        timeout=380,
+    )
     assert_ok(result)
     assert "world size 2" in result.stdout
     last = metrics_lines(tmp_path)[-1]
@@ -40,12 +51,39 @@ def test_digits_examples_reach_95_percent_under_horovod(tmp_path, example):
 def test_hand_written_horovodrun_command_works(tmp_path):
     """`horovodrun -np 2 python -m unifit fit -c exp.yaml`, as the Horovod guides write it."""
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(tmp_path / "reports")}}
-    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", "2", "-H", "localhost:2", "--gloo",
-           sys.executable, "-m", "unifit", "fit", "-c", str(PROBE_YAML), "--trainer.strategy", "horovod",
-           "--trainer.root_dir", str(tmp_path), "--trainer.max_epochs", "1",
-           "--trainer.callbacks", json.dumps([report])]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "horovod.runner.launch",
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        "--gloo",
+        sys.executable,
+        "-m",
+        "unifit",
+        "fit",
+        "-c",
+        str(PROBE_YAML),
+        "--trainer.strategy",
+        "horovod",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.callbacks",
+        json.dumps([report]),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     out, err = stop(proc, timeout=180)
     assert proc.returncode == 0, err
     got = reports(tmp_path)
@@ -55,8 +93,18 @@ def test_hand_written_horovodrun_command_works(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_without_a_launcher_runs_a_world_of_one_and_says_so_once(tmp_path):
-    result = run_unifit("fit", "-c", str(PROBE_YAML), "--trainer.strategy", "horovod",
-                        "--trainer.root_dir", str(tmp_path), "--trainer.max_epochs", "1", timeout=100)
+    result = run_unifit(
+        "fit",
+        "-c",
+        str(PROBE_YAML),
+        "--trainer.strategy",
+        "horovod",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.max_epochs",
+        "1",
+        timeout=100,
+    )
     assert_ok(result)
     assert result.stderr.count("horovod: no launcher environment found") == 1, result.stderr
     assert "world size 1" in result.stdout
@@ -66,10 +114,13 @@ def test_without_a_launcher_runs_a_world_of_one_and_says_so_once(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("hidden, expected", [
-    ("horovod", "Horovod, which is not installed; fix: bash scripts/build_horovod.sh"),
-    ("horovod.torch", "Horovod is installed without its torch part"),
-])
+@pytest.mark.parametrize(
+    "hidden, expected",
+    [
+        ("horovod", "Horovod, which is not installed; fix: bash scripts/build_horovod.sh"),
+        ("horovod.torch", "Horovod is installed without its torch part"),
+    ],
+)
 def test_missing_horovod_or_its_framework_part_says_what_to_install(tmp_path, hidden, expected):
     script = textwrap.dedent(f"""
         import sys
@@ -96,20 +147,40 @@ def test_launcher_command_line_one_and_several_hosts():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("flags, expected", [
-    (["--nnodes", "2"], "horovodrun needs every host's name; give --hosts"),
-    (["--hosts", "h1,h2", "--node-rank", "1"], "run 'unifit launch' there only"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--nnodes", "2"], "horovodrun needs every host's name; give --hosts"),
+        (["--hosts", "h1,h2", "--node-rank", "1"], "run 'unifit launch' there only"),
+    ],
+)
 def test_launcher_refuses_what_horovodrun_cannot_do(tmp_path, flags, expected):
-    result = run_unifit("launch", "--nproc-per-node", "2", *flags, "-c", str(PROBE_YAML),
-                        "--trainer.strategy", "horovod", "--trainer.root_dir", str(tmp_path), timeout=50)
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        *flags,
+        "-c",
+        str(PROBE_YAML),
+        "--trainer.strategy",
+        "horovod",
+        "--trainer.root_dir",
+        str(tmp_path),
+        timeout=50,
+    )
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
 
 
 def test_horovodrun_environment_reader():
-    env = {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
-           "HOROVOD_CROSS_RANK": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1"}
+    env = {
+        "HOROVOD_RANK": "3",
+        "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "2",
+        "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+    }
     found = from_horovodrun(env)
     assert (found.rank, found.world_size, found.local_rank, found.local_world_size, found.node_rank) == (3, 4, 1, 2, 1)
     assert found.master_addr == "10.0.0.1" and found.source == "horovodrun"
@@ -118,8 +189,18 @@ def test_horovodrun_environment_reader():
 
 @pytest.mark.timeout(60)
 def test_unknown_strategy_option_is_a_one_line_error(tmp_path):
-    result = run_unifit("fit", "-c", str(PROBE_YAML), "--trainer.strategy", "horovod", "--trainer.root_dir",
-                        str(tmp_path), "--trainer.strategy_options", "{fusion_mb: 8}", timeout=50)
+    result = run_unifit(
+        "fit",
+        "-c",
+        str(PROBE_YAML),
+        "--trainer.strategy",
+        "horovod",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.strategy_options",
+        "{fusion_mb: 8}",
+        timeout=50,
+    )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
     assert len(errors) == 1 and "trainer.strategy_options.fusion_mb" in errors[0], result.stderr

@@ -16,8 +16,20 @@ KERAS_DIGITS = "examples/digits/keras.yaml"
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, procs, options", [("mirrored", 1, "{devices: 2}"), ("mwms", 2, "{}")])
 def test_keras_digits_reach_95_percent(tmp_path, strategy, procs, options):
-    result = run_unifit("launch", "--nproc-per-node", str(procs), "-c", KERAS_DIGITS, "--trainer.strategy", strategy,
-                        "--trainer.strategy_options", options, "--trainer.root_dir", str(tmp_path), timeout=280)
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        str(procs),
+        "-c",
+        KERAS_DIGITS,
+        "--trainer.strategy",
+        strategy,
+        "--trainer.strategy_options",
+        options,
+        "--trainer.root_dir",
+        str(tmp_path),
+        timeout=280,
+    )
     assert_ok(result)
     last = metrics_lines(tmp_path)[-1]
     assert last["epoch"] == 10 and last["val/acc"] >= 0.95, last
@@ -33,7 +45,10 @@ def test_mwms_non_chief_checkpoint_copies_are_removed(tmp_path):
     assert not [p for p in scratch.iterdir() if p.name.startswith("unifit-tf-ckpt-")]
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts == ["epoch=0001-step=0000004", "epoch=0002-step=0000008", "epoch=0003-step=0000012", "last.json"]
-    assert sorted(os.listdir(tmp_path / "run" / "checkpoints" / ckpts[0] / "tf")) == ["ckpt.data-00000-of-00001", "ckpt.index"]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints" / ckpts[0] / "tf")) == [
+        "ckpt.data-00000-of-00001",
+        "ckpt.index",
+    ]
 
 
 def _one_line(result, *needles):
@@ -46,31 +61,66 @@ def _one_line(result, *needles):
 
 @pytest.mark.timeout(120)
 def test_torch_module_with_a_tensorflow_strategy(tmp_path):
-    _one_line(run_unifit("fit", "-c", "examples/digits/torch.yaml", "--trainer.strategy", "mirrored",
-                         "--trainer.root_dir", str(tmp_path)),
-              "'mirrored' trains tensorflow modules", "DigitsClassifier is a torch module", "use one of: single, ddp")
+    _one_line(
+        run_unifit(
+            "fit",
+            "-c",
+            "examples/digits/torch.yaml",
+            "--trainer.strategy",
+            "mirrored",
+            "--trainer.root_dir",
+            str(tmp_path),
+        ),
+        "'mirrored' trains tensorflow modules",
+        "DigitsClassifier is a torch module",
+        "use one of: single, ddp",
+    )
 
 
 @pytest.mark.timeout(120)
 def test_keras_module_with_a_torch_strategy(tmp_path):
-    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "ddp", "--trainer.root_dir", str(tmp_path)),
-              "'ddp' trains torch modules", "DigitsKeras is a tensorflow module", "mirrored, mwms")
-
-
+    _one_line(
+        run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "ddp", "--trainer.root_dir", str(tmp_path)),
+        "'ddp' trains torch modules",
+        "DigitsKeras is a tensorflow module",
+        "mirrored, mwms",
+    )
 
 
 @pytest.mark.timeout(120)
 def test_mirrored_with_more_devices_than_exist(tmp_path):
-    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy_options", "{devices: 64}",
-                         "--trainer.root_dir", str(tmp_path)),
-              "trainer.strategy_options.devices: received 64", f"has {os.cpu_count()} CPU cores", "at most")
+    _one_line(
+        run_unifit(
+            "fit",
+            "-c",
+            KERAS_DIGITS,
+            "--trainer.strategy_options",
+            "{devices: 64}",
+            "--trainer.root_dir",
+            str(tmp_path),
+        ),
+        "trainer.strategy_options.devices: received 64",
+        f"has {os.cpu_count()} CPU cores",
+        "at most",
+    )
 
 
 @pytest.mark.timeout(120)
 def test_malformed_tf_config(tmp_path):
-    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "mwms", "--trainer.root_dir", str(tmp_path),
-                         env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker"}}'}),
-              "TF_CONFIG: received", "expected")
+    _one_line(
+        run_unifit(
+            "fit",
+            "-c",
+            KERAS_DIGITS,
+            "--trainer.strategy",
+            "mwms",
+            "--trainer.root_dir",
+            str(tmp_path),
+            env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker"}}'},
+        ),
+        "TF_CONFIG: received",
+        "expected",
+    )
 
 
 @pytest.mark.timeout(180)
@@ -81,16 +131,32 @@ def test_unreachable_worker_fails_instead_of_hanging(tmp_path):
         b.bind(("127.0.0.1", 0))
         ports = [a.getsockname()[1], b.getsockname()[1]]
     tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}}
-    result = run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "mwms", "--trainer.root_dir", str(tmp_path),
-                        "--trainer.collective_timeout_s", "10", env={"TF_CONFIG": json.dumps(tf_config)}, timeout=170)
+    result = run_unifit(
+        "fit",
+        "-c",
+        KERAS_DIGITS,
+        "--trainer.strategy",
+        "mwms",
+        "--trainer.root_dir",
+        str(tmp_path),
+        "--trainer.collective_timeout_s",
+        "10",
+        env={"TF_CONFIG": json.dumps(tf_config)},
+        timeout=170,
+    )
     assert result.returncode != 0
-    assert "unifit: error" in result.stderr and "a worker is gone or unreachable" in result.stderr, result.stderr[-3000:]
+    assert "unifit: error" in result.stderr and "a worker is gone or unreachable" in result.stderr, result.stderr[
+        -3000:
+    ]
 
 
 @pytest.mark.timeout(120)
 def test_smddp_like_with_a_keras_module(tmp_path):
-    _one_line(run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "smddp-like", "--trainer.root_dir", str(tmp_path)),
-              "'smddp-like' trains torch modules", "DigitsKeras is a tensorflow module")
+    _one_line(
+        run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "smddp-like", "--trainer.root_dir", str(tmp_path)),
+        "'smddp-like' trains torch modules",
+        "DigitsKeras is a tensorflow module",
+    )
 
 
 def test_tf_config_launcher_addresses_every_host():

@@ -30,8 +30,9 @@ def _reference(form: str, initial: list | None = None):
 def _fit(model, data, tmp_path, **options):
     import unifit
 
-    trainer = unifit.Trainer(max_epochs=EPOCHS, batch_size=N_TRAIN, root_dir=str(tmp_path), progress_bar=False,
-                             seed=0, **options)
+    trainer = unifit.Trainer(
+        max_epochs=EPOCHS, batch_size=N_TRAIN, root_dir=str(tmp_path), progress_bar=False, seed=0, **options
+    )
     return trainer.fit(model, data=data)
 
 
@@ -55,8 +56,9 @@ def test_a_batched_pipeline_trains_with_its_own_batch_size(tmp_path):
     initial = model.get_weights()
     x, y = arrays(N_TRAIN, seed=1)
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(N_TRAIN).map(lambda a, b: (a * 2.0, b))
-    state = unifit.Trainer(max_epochs=EPOCHS, root_dir=str(tmp_path), progress_bar=False,
-                           seed=0).fit(model, data={"train": pipeline})
+    state = unifit.Trainer(max_epochs=EPOCHS, root_dir=str(tmp_path), progress_bar=False, seed=0).fit(
+        model, data={"train": pipeline}
+    )
     assert state.progress.global_batch == N_TRAIN and state.progress.steps_per_epoch == 1
     reference = compiled_model("objects")
     reference.set_weights(initial)
@@ -64,7 +66,8 @@ def test_a_batched_pipeline_trains_with_its_own_batch_size(tmp_path):
     _close(model.get_weights(), reference.get_weights())
     with pytest.raises(ConfigError, match=rf"batched by {N_TRAIN} but trainer.batch_size is 4; leave"):
         unifit.Trainer(max_epochs=1, batch_size=4, root_dir=str(tmp_path / "b"), progress_bar=False).fit(
-            compiled_model("objects"), data={"train": pipeline})
+            compiled_model("objects"), data={"train": pipeline}
+        )
 
 
 @pytest.mark.timeout(240)
@@ -130,27 +133,57 @@ def test_data_forms_train_alike(tmp_path):
 # factory through CompiledModel, which calls it inside the strategy's scope; horovod's YAML names the
 # factory function itself as module.class_path (the model is built first, copied, and copied back).
 FACTORY = "tests.probe.keras_compiled_probe.compiled_model"
-LAZY = {"class_path": "unifit.frameworks.keras.compiled.CompiledModel",
-        "init_args": {"model": FACTORY, "model_args": {"form": "objects"}}}
+LAZY = {
+    "class_path": "unifit.frameworks.keras.compiled.CompiledModel",
+    "init_args": {"model": FACTORY, "model_args": {"form": "objects"}},
+}
 DIRECT = {"class_path": FACTORY, "init_args": {"form": "objects"}}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant, module", [("mirrored", LAZY), ("mwms", LAZY), ("horovod-keras", DIRECT)],
-                         ids=["mirrored", "mwms", "horovod-keras"])
+@pytest.mark.parametrize(
+    "variant, module",
+    [("mirrored", LAZY), ("mwms", LAZY), ("horovod-keras", DIRECT)],
+    ids=["mirrored", "mwms", "horovod-keras"],
+)
 def test_distributed_equals_model_fit(tmp_path, variant, module):
     procs = STRATEGY_PROCS[variant]
     replicas = 2
     yaml_file = tmp_path / "compiled.yaml"
-    yaml_file.write_text(json.dumps({
-        "module": module,
-        "data": {"class_path": "tests.probe.keras_compiled_probe.Data"},
-        "trainer": {"max_epochs": EPOCHS, "batch_size": N_TRAIN // replicas, "lr_scaling": "none", "seed": 0,
-                    "progress_bar": False, "collective_timeout_s": 60, "root_dir": str(tmp_path / "run"),
-                    "callbacks": [{"class_path": "tests.probe.keras_compiled_probe.WeightsReport",
-                                   "init_args": {"out_dir": str(tmp_path / "run" / "reports")}}]}}))
-    result = run_unifit("launch", "--nproc-per-node", str(procs), "-c", str(yaml_file),
-                        "--trainer.strategy", strategy_name(variant), *STRATEGY_OPTIONS.get(variant, []), timeout=280)
+    yaml_file.write_text(
+        json.dumps(
+            {
+                "module": module,
+                "data": {"class_path": "tests.probe.keras_compiled_probe.Data"},
+                "trainer": {
+                    "max_epochs": EPOCHS,
+                    "batch_size": N_TRAIN // replicas,
+                    "lr_scaling": "none",
+                    "seed": 0,
+                    "progress_bar": False,
+                    "collective_timeout_s": 60,
+                    "root_dir": str(tmp_path / "run"),
+                    "callbacks": [
+                        {
+                            "class_path": "tests.probe.keras_compiled_probe.WeightsReport",
+                            "init_args": {"out_dir": str(tmp_path / "run" / "reports")},
+                        }
+                    ],
+                },
+            }
+        )
+    )
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        str(procs),
+        "-c",
+        str(yaml_file),
+        "--trainer.strategy",
+        strategy_name(variant),
+        *STRATEGY_OPTIONS.get(variant, []),
+        timeout=280,
+    )
     assert_ok(result)
     found = reports(tmp_path / "run")
     assert [r["rank"] for r in found] == list(range(procs)) and all(r["world_size"] == procs for r in found)
@@ -165,7 +198,8 @@ def test_distributed_equals_model_fit(tmp_path, variant, module):
         _close(r["trained"], reference.get_weights())  # = model.fit on the whole batch
         assert r["metrics"]["val/loss"] == pytest.approx(evaluated["loss"], abs=1e-5)
         assert r["metrics"]["val/sparse_categorical_accuracy"] == pytest.approx(
-            evaluated["sparse_categorical_accuracy"], abs=1e-6)
+            evaluated["sparse_categorical_accuracy"], abs=1e-6
+        )
         assert "train/sparse_categorical_accuracy" in r["metrics"]
 
 
@@ -198,11 +232,13 @@ def test_bad_input_is_refused_in_one_line():
     xy = arrays(N_TRAIN, seed=1)
     _refused(_sequential(), "is not compiled", "call model.compile(optimizer=..., loss=...) first", data=xy)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    for kwargs, needle in [({"loss_weights": [1.0]}, "loss_weights"),
-                           ({"weighted_metrics": ["accuracy"]}, "weighted_metrics"),
-                           ({"run_eagerly": True}, "run_eagerly=True"),
-                           ({"steps_per_execution": 4}, "steps_per_execution=4"),
-                           ({"metrics": {"out": ["accuracy"]}}, "per output")]:
+    for kwargs, needle in [
+        ({"loss_weights": [1.0]}, "loss_weights"),
+        ({"weighted_metrics": ["accuracy"]}, "weighted_metrics"),
+        ({"run_eagerly": True}, "run_eagerly=True"),
+        ({"steps_per_execution": 4}, "steps_per_execution=4"),
+        ({"metrics": {"out": ["accuracy"]}}, "per output"),
+    ]:
         model = _sequential()
         model.compile(optimizer="sgd", loss=loss, **kwargs)
         _refused(model, needle, data=xy)
@@ -216,7 +252,8 @@ def test_bad_input_is_refused_in_one_line():
     model.compile(optimizer="sgd", loss=loss)
     _refused(model, "a keras.Model brings no data", "data=(x, y)")
     batched_elsewhere = tf.data.Dataset.from_generator(
-        lambda: iter([xy]), output_signature=(tf.TensorSpec((None, 4), tf.float32), tf.TensorSpec((None,), tf.int64)))
+        lambda: iter([xy]), output_signature=(tf.TensorSpec((None, 4), tf.float32), tf.TensorSpec((None,), tf.int64))
+    )
     _refused(model, "looks batched", "by something other than .batch()", "unbatch()", data=batched_elsewhere)
     _refused(model, "keys ['training']", data={"training": xy})
 
@@ -269,9 +306,11 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path):
     straight = compiled_model("objects")
     _fit(straight, data, tmp_path / "straight")
     first = compiled_model("objects")
-    unifit.Trainer(max_epochs=EPOCHS - 1, batch_size=N_TRAIN, root_dir=str(tmp_path / "resumed"),
-                   progress_bar=False, seed=0).fit(first, data=data)
+    unifit.Trainer(
+        max_epochs=EPOCHS - 1, batch_size=N_TRAIN, root_dir=str(tmp_path / "resumed"), progress_bar=False, seed=0
+    ).fit(first, data=data)
     resumed = compiled_model("objects")  # fresh weights: the checkpoint's must replace them
-    unifit.Trainer(max_epochs=EPOCHS, batch_size=N_TRAIN, root_dir=str(tmp_path / "resumed"),
-                   progress_bar=False, seed=0).fit(resumed, data=data, ckpt_path="last")
+    unifit.Trainer(
+        max_epochs=EPOCHS, batch_size=N_TRAIN, root_dir=str(tmp_path / "resumed"), progress_bar=False, seed=0
+    ).fit(resumed, data=data, ckpt_path="last")
     _close(resumed.get_weights(), straight.get_weights(), tol=0)

@@ -90,9 +90,20 @@ class ConvProbe(KerasProbe):
 
 
 def conv_probe_args(n_train: int, n_val: int, batch: int, epochs: int, lr: float = 0.01) -> list[str]:
-    return ["--module.class_path", "tests.test_keras_long.ConvProbe", "--module.init_args.n_train", str(n_train),
-            "--module.init_args.n_val", str(n_val), "--module.init_args.lr", str(lr),
-            "--trainer.batch_size", str(batch), "--trainer.max_epochs", str(epochs)]
+    return [
+        "--module.class_path",
+        "tests.test_keras_long.ConvProbe",
+        "--module.init_args.n_train",
+        str(n_train),
+        "--module.init_args.n_val",
+        str(n_val),
+        "--module.init_args.lr",
+        str(lr),
+        "--trainer.batch_size",
+        str(batch),
+        "--trainer.max_epochs",
+        str(epochs),
+    ]
 
 
 def test_step_sizes_cover_every_sample_and_every_replica():
@@ -114,8 +125,9 @@ def test_step_sizes_cover_every_sample_and_every_replica():
 def test_mirrored_uneven_last_steps_give_every_replica_a_sample(tmp_path):
     """The reported case: 1347 samples, batch 128, 2 devices: the last step's 67 samples go 34 + 33,
     not 67 + an empty batch. Validation 257: not 256, then 1 (one replica empty), but 255, then 1 + 1."""
-    result = launch_probe("mirrored", tmp_path, *conv_probe_args(1347, 257, 128, 2),
-                          "--trainer.checkpoint.enabled", "false", timeout=100)
+    result = launch_probe(
+        "mirrored", tmp_path, *conv_probe_args(1347, 257, 128, 2), "--trainer.checkpoint.enabled", "false", timeout=100
+    )
     assert_ok(result)
     (report,) = reports(tmp_path)
     seen, sizes = report["seen"], report["seen_by_replica"]
@@ -137,8 +149,17 @@ def mwms_run(tmp_path_factory) -> Path:
     """2 mwms workers, 300 steps each, counting their threads every 20 steps."""
     root = tmp_path_factory.mktemp("mwms-long")
     counter = {"class_path": "tests.test_keras_long.ThreadCounter", "init_args": {"out_dir": str(root / "threads")}}
-    assert_ok(launch_probe("mwms", root, *conv_probe_args(MWMS_TRAIN, MWMS_VAL, MWMS_BATCH, MWMS_EPOCHS),
-                           "--trainer.tensorboard.log_every_n_steps", "50", callbacks=[counter], timeout=150))
+    assert_ok(
+        launch_probe(
+            "mwms",
+            root,
+            *conv_probe_args(MWMS_TRAIN, MWMS_VAL, MWMS_BATCH, MWMS_EPOCHS),
+            "--trainer.tensorboard.log_every_n_steps",
+            "50",
+            callbacks=[counter],
+            timeout=150,
+        )
+    )
     return root
 
 

@@ -43,8 +43,9 @@ class PipelineModule(unifit.KerasModule):
     """y ~ Dense(1)(x). Data: TFRecord files (`folder`) or in-memory arrays; `noise` adds
     uniform noise to y inside the training pipeline (random augmentation)."""
 
-    def __init__(self, folder: str | None = None, n: int = 24, noise: float = 0.0, lr: float = 0.0,
-                 filtered: bool = False) -> None:
+    def __init__(
+        self, folder: str | None = None, n: int = 24, noise: float = 0.0, lr: float = 0.0, filtered: bool = False
+    ) -> None:
         super().__init__()
         self.folder, self.n, self.noise, self.lr, self.filtered = folder, n, noise, lr, filtered
 
@@ -143,8 +144,9 @@ def test_pipeline_is_read_lazily_and_counted_when_its_length_is_unknown(tmp_path
         def val_dataset(self):
             return big
 
-    validated = unifit.Trainer(root_dir=str(tmp_path / "v"), batch_size=4, limit_val_batches=3,
-                               progress_bar=False).validate(BigVal())
+    validated = unifit.Trainer(
+        root_dir=str(tmp_path / "v"), batch_size=4, limit_val_batches=3, progress_bar=False
+    ).validate(BigVal())
     assert validated["val/y"] == pytest.approx(np.mean(np.arange(12) % 5), abs=1e-6) and len(read) < 1000, len(read)
     # filter(): cardinality unknown, counted once: 24 samples, 6 batches of 4, every sample once
     _fit(PipelineModule(filtered=True), tmp_path / "filtered", max_epochs=1)
@@ -168,7 +170,8 @@ def test_sample_weights_weigh_the_loss(tmp_path, form):
     weighted = compiled_model()
     data = (x, y, w) if form == "arrays" else tf.data.Dataset.from_tensor_slices((x, y, w))
     state = unifit.Trainer(batch_size=32, root_dir=str(tmp_path / "w"), **options).fit(
-        weighted, data={"train": data, "val": (x, y, w)})
+        weighted, data={"train": data, "val": (x, y, w)}
+    )
     half = compiled_model()
     unifit.Trainer(batch_size=16, root_dir=str(tmp_path / "h"), **options).fit(half, data=(x[:16], y[:16]))
     reference = compiled_model()
@@ -194,14 +197,22 @@ def test_bad_pipelines_are_refused_in_one_line(tmp_path):
     import tensorflow as tf
 
     x, y = _xy(8, seed=0)
-    cases = [(tf.data.Dataset.from_tensor_slices((x, y)).repeat(), "endless", "remove .repeat()"),
-             (tf.data.Dataset.from_generator(lambda: iter([(x, y)]), output_signature=(
-                 tf.TensorSpec((None, 1), tf.float32), tf.TensorSpec((None,), tf.float32))),
-              "looks batched", "unbatch()"),
-             (tf.data.Dataset.from_tensor_slices((x, y, y, y)), "a tuple of 4", "(x, y, sample_weight)"),
-             (tf.data.Dataset.from_tensor_slices((x, y, x)), "sample weights have element shape (1,)", "scalar"),
-             ((x, y, x), "sample weights have shape (8, 1)", "(n,)")]
+    cases = [
+        (tf.data.Dataset.from_tensor_slices((x, y)).repeat(), "endless", "remove .repeat()"),
+        (
+            tf.data.Dataset.from_generator(
+                lambda: iter([(x, y)]),
+                output_signature=(tf.TensorSpec((None, 1), tf.float32), tf.TensorSpec((None,), tf.float32)),
+            ),
+            "looks batched",
+            "unbatch()",
+        ),
+        (tf.data.Dataset.from_tensor_slices((x, y, y, y)), "a tuple of 4", "(x, y, sample_weight)"),
+        (tf.data.Dataset.from_tensor_slices((x, y, x)), "sample weights have element shape (1,)", "scalar"),
+        ((x, y, x), "sample weights have shape (8, 1)", "(n,)"),
+    ]
     for data, *needles in cases:
+
         class Bad(PipelineModule):
             def train_dataset(self, data=data):
                 return data
@@ -230,12 +241,32 @@ def test_pipelines_sharded_with_uneven_last_batches(tmp_path, variant):
         val_y = _xy(17, seed=2)[1]
         init_args = {"n": 17, "lr": 0.01}
     config = tmp_path / "pipelines.yaml"
-    config.write_text(json.dumps({
-        "module": {"class_path": "tests.test_keras_pipelines.PipelineModule", "init_args": init_args},
-        "trainer": {"max_epochs": 2, "batch_size": 3, "seed": 0, "progress_bar": False, "collective_timeout_s": 60,
-                    "root_dir": str(tmp_path / "run")}}))
-    result = run_unifit("launch", "--nproc-per-node", str(procs), "-c", str(config), "--trainer.strategy",
-                        strategy_name(variant), *STRATEGY_OPTIONS.get(variant, []), timeout=280)
+    config.write_text(
+        json.dumps(
+            {
+                "module": {"class_path": "tests.test_keras_pipelines.PipelineModule", "init_args": init_args},
+                "trainer": {
+                    "max_epochs": 2,
+                    "batch_size": 3,
+                    "seed": 0,
+                    "progress_bar": False,
+                    "collective_timeout_s": 60,
+                    "root_dir": str(tmp_path / "run"),
+                },
+            }
+        )
+    )
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        str(procs),
+        "-c",
+        str(config),
+        "--trainer.strategy",
+        strategy_name(variant),
+        *STRATEGY_OPTIONS.get(variant, []),
+        timeout=280,
+    )
     assert_ok(result)
     lines = metrics_lines(tmp_path / "run")
     assert [line["epoch"] for line in lines] == [1, 2]
@@ -243,12 +274,18 @@ def test_pipelines_sharded_with_uneven_last_batches(tmp_path, variant):
         assert line["val/y"] == pytest.approx(float(val_y.mean()), abs=1e-5), line
         assert np.isfinite(line["train/loss"]) and np.isfinite(line["val/loss"])
     said = "rank {}: train_dataset() is a tf.data pipeline, read lazily, {}: {} samples here ({}), {} used per epoch"
-    expected = {"mirrored": [said.format(0, "not sharded", 16, "counted", 16)],
-                # files 0 and 2 (7 + 4 records) on rank 0, file 1 (5) on rank 1
-                "mwms": [said.format(0, "sharded by file", 11, "counted", 5),
-                         said.format(1, "sharded by file", 5, "counted", 5)],
-                "horovod-keras": [said.format(0, "sharded by element", 9, "cardinality", 8),
-                                  said.format(1, "sharded by element", 8, "cardinality", 8)]}[variant]
+    expected = {
+        "mirrored": [said.format(0, "not sharded", 16, "counted", 16)],
+        # files 0 and 2 (7 + 4 records) on rank 0, file 1 (5) on rank 1
+        "mwms": [
+            said.format(0, "sharded by file", 11, "counted", 5),
+            said.format(1, "sharded by file", 5, "counted", 5),
+        ],
+        "horovod-keras": [
+            said.format(0, "sharded by element", 9, "cardinality", 8),
+            said.format(1, "sharded by element", 8, "cardinality", 8),
+        ],
+    }[variant]
     for line in expected:
         assert line in result.stderr, result.stderr[-3000:]
 
@@ -260,8 +297,9 @@ def test_mid_epoch_resume_continues_the_pipeline(tmp_path):
     _fit(straight, tmp_path / "straight", max_epochs=2, checkpoint={"every_n_steps": 3, "keep_last_n": 10})
     [mid] = [p for p in (tmp_path / "straight" / "checkpoints").iterdir() if p.name.endswith("step=0000003")]
     resumed = PipelineModule(lr=0.05)
-    unifit.Trainer(root_dir=str(tmp_path / "resumed"), max_epochs=2, batch_size=4, seed=0,
-                   progress_bar=False).fit(resumed, ckpt_path=str(mid))
+    unifit.Trainer(root_dir=str(tmp_path / "resumed"), max_epochs=2, batch_size=4, seed=0, progress_bar=False).fit(
+        resumed, ckpt_path=str(mid)
+    )
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     assert abs(float(straight.model.get_weights()[0][0, 0]) - 1.0) > 1e-3  # it trained

@@ -35,8 +35,19 @@ PRECISIONS = ("32-true", "bf16-mixed")
 # strategy (its launched variants: tests/test_precision_keras.py); the CI budget takes no more TF launches
 LAUNCHES = {  # strategy -> (processes, driver args)
     # the augmented image model is held to training and agreeing; that needs processes: not in single
-    "single": (1, ["--batch", "32", "--models", "image-plain,text", "--reference", "--resume",
-                   "--precisions", "32-true,bf16-mixed,16-mixed"]),
+    "single": (
+        1,
+        [
+            "--batch",
+            "32",
+            "--models",
+            "image-plain,text",
+            "--reference",
+            "--resume",
+            "--precisions",
+            "32-true,bf16-mixed,16-mixed",
+        ],
+    ),
     "mirrored": (1, ["--models", "image,text", "--resume", "--strategy-options", json.dumps({"devices": 2})]),
     "mwms": (2, ["--models", "image,text", "--resume"]),
     "horovod": (2, ["--models", "image,text", "--resume"]),
@@ -66,11 +77,18 @@ def zoo(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> Zoo:
         out = tmp_path_factory.mktemp(f"keras-zoo-{strategy}")
         driver = [DRIVER, "--out", str(out), "--precisions", ",".join(PRECISIONS), *extra]  # a later one wins
         if strategy == "single":  # the script as a user runs it: python, no launcher
-            result = subprocess.run([sys.executable, *driver], cwd=REPO, capture_output=True, text=True, timeout=480,
-                                    env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+            result = subprocess.run(
+                [sys.executable, *driver],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=480,
+                env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"},
+            )
         else:
-            result = run_unifit("launch", "--nproc-per-node", str(world), "--strategy", strategy, "--", *driver,
-                                timeout=480)
+            result = run_unifit(
+                "launch", "--nproc-per-node", str(world), "--strategy", strategy, "--", *driver, timeout=480
+            )
         assert_ok(result)
         _zoos[strategy] = Zoo(out, world)
     return _zoos[strategy]
@@ -103,7 +121,8 @@ def test_single_equals_model_fit(tmp_path_factory):
             diff = _max_diff(z.weights(model, precision), z.weights(model, precision, "keras"))
             assert diff == 0.0, f"{model} {precision}: unifit's weights differ from model.fit's by {diff}"
         assert z.record(model, "32-true")["epochs"][-1]["val/loss"] == pytest.approx(
-            z.record(model, "32-true", "keras")["epochs"][-1]["val_loss"], abs=1e-5)
+            z.record(model, "32-true", "keras")["epochs"][-1]["val_loss"], abs=1e-5
+        )
 
 
 @pytest.mark.timeout(900)

@@ -29,16 +29,25 @@ def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _unifit(root, max_epochs: int, module=None, **kwargs) -> tuple[Regressor, dict]:
     module = module or _regressor()
-    state = Trainer(strategy="single", max_epochs=max_epochs, batch_size=8, root_dir=str(root), **QUIET,
-                    **kwargs).fit(module, ckpt_path=kwargs.pop("ckpt", None))
+    state = Trainer(strategy="single", max_epochs=max_epochs, batch_size=8, root_dir=str(root), **QUIET, **kwargs).fit(
+        module, ckpt_path=kwargs.pop("ckpt", None)
+    )
     return module, state.metrics
 
 
 @pytest.mark.timeout(120)
 def test_same_weights_hooks_and_metrics_as_lightnings_own_trainer(tmp_path):
     theirs = _regressor()
-    lightning_trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    lightning_trainer = L.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     lightning_trainer.fit(theirs)
     ours, metrics = _unifit(tmp_path, 3)
     for key, value in _weights(theirs).items():
@@ -58,20 +67,33 @@ def test_resume_continues_exactly_with_the_modules_checkpoint_hooks(tmp_path):
     resumed = _regressor()
     resumed.net[0].weight.data.zero_()  # the checkpoint must overwrite it
     state = Trainer(strategy="single", max_epochs=3, batch_size=8, root_dir=str(tmp_path / "part"), **QUIET).fit(
-        resumed, ckpt_path="last")
+        resumed, ckpt_path="last"
+    )
     assert state.progress.epoch == 3
     for key, value in _weights(full).items():
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0)
     assert resumed.saved_counter == full.saved_counter == 3  # on_load_checkpoint restored what on_save_checkpoint put
-    saved = torch.load(tmp_path / "part" / "checkpoints" / json.loads(
-        (tmp_path / "part" / "checkpoints" / "last.json").read_text())["name"] / "state.pt", weights_only=False)
+    saved = torch.load(
+        tmp_path
+        / "part"
+        / "checkpoints"
+        / json.loads((tmp_path / "part" / "checkpoints" / "last.json").read_text())["name"]
+        / "state.pt",
+        weights_only=False,
+    )
     assert set(saved["engine"]["model"]) == set(full.state_dict())  # the module's own keys, as Lightning saves them
 
 
 def _bad(module, message: str, **kwargs) -> None:
     with pytest.raises(ConfigError) as caught:
-        Trainer(strategy="single", max_epochs=1, batch_size=kwargs.pop("batch_size", 1), root_dir="/tmp/unused-unifit",
-                **QUIET, checkpoint={"enabled": False}).fit(module, **kwargs)
+        Trainer(
+            strategy="single",
+            max_epochs=1,
+            batch_size=kwargs.pop("batch_size", 1),
+            root_dir="/tmp/unused-unifit",
+            **QUIET,
+            checkpoint={"enabled": False},
+        ).fit(module, **kwargs)
     text = str(caught.value)
     assert "\n" not in text and message in text, text
 
@@ -112,20 +134,33 @@ def test_what_unifit_cannot_honour_is_refused_in_one_line():
 
 def _launch_yaml(tmp_path, strategy: str, sections: str, batch_size: int) -> list[dict]:
     """`unifit launch -c exp.yaml` with the strategy's process count; each rank's LightningReport."""
-    report = {"class_path": "tests.probe.lightning_probe.LightningReport", "init_args": {"out_dir": str(tmp_path / "r")}}
+    report = {
+        "class_path": "tests.probe.lightning_probe.LightningReport",
+        "init_args": {"out_dir": str(tmp_path / "r")},
+    }
     experiment = tmp_path / "exp.yaml"
-    experiment.write_text(sections + f"""
+    experiment.write_text(
+        sections
+        + f"""
 trainer:
   strategy: {strategy}
   max_epochs: 2
   batch_size: {batch_size}
-  root_dir: {tmp_path / 'run'}
+  root_dir: {tmp_path / "run"}
   progress_bar: false
   callbacks: [{json.dumps(report)}]
-""")
+"""
+    )
     procs = STRATEGY_PROCS[strategy]
-    result = run_unifit("launch", "--nproc-per-node", str(procs), "-c", str(experiment),
-                        *STRATEGY_OPTIONS.get(strategy, []), timeout=240)
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        str(procs),
+        "-c",
+        str(experiment),
+        *STRATEGY_OPTIONS.get(strategy, []),
+        timeout=240,
+    )
     assert_ok(result)
     reports = [json.loads(f.read_text()) for f in sorted((tmp_path / "r").glob("report_*.json"))]
     assert len(reports) == procs and len({r["weights_sha256"] for r in reports}) == 1  # every rank the same model
@@ -134,12 +169,17 @@ trainer:
 
 @pytest.mark.timeout(300)
 def test_lightnings_own_demo_module_and_datamodule_unchanged_from_yaml(tmp_path):
-    reports = _launch_yaml(tmp_path, "ddp", """
+    reports = _launch_yaml(
+        tmp_path,
+        "ddp",
+        """
 module:
   class_path: lightning.pytorch.demos.boring_classes.BoringModel
 data:
   class_path: lightning.pytorch.demos.boring_classes.BoringDataModule
-""", batch_size=1)
+""",
+        batch_size=1,
+    )
     assert reports[0]["keys"] == ["layer.bias", "layer.weight"]
     assert reports[0]["metrics"]["train/loss"] > 0
 
@@ -149,11 +189,16 @@ data:
 # smddp-like and horovod too in tests/test_zoo.py, to ddp's weights
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_lightning_module_with_its_hooks_on_every_torch_strategy(tmp_path, strategy):
-    reports = _launch_yaml(tmp_path, strategy, """
+    reports = _launch_yaml(
+        tmp_path,
+        strategy,
+        """
 module:
   class_path: tests.probe.lightning_probe.Regressor
   init_args: {lr: 0.02, hidden: 8}
-""", batch_size=8)
+""",
+        batch_size=8,
+    )
     world = STRATEGY_PROCS[strategy]
     for r in reports:
         assert [s["rank"] for s in r["seen_at_epoch_end"]] == [r["rank"]] * 2  # self.global_rank
@@ -172,22 +217,35 @@ def test_estimated_stepping_batches_and_the_test_and_predict_hooks(tmp_path):
     from unifit import Trainer
 
     module = OneCycleRegressor()
-    trainer = Trainer(max_epochs=3, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
-                      accumulate_grad_batches=2)
+    trainer = Trainer(max_epochs=3, batch_size=8, root_dir=str(tmp_path), progress_bar=False, accumulate_grad_batches=2)
     trainer.fit(module)
     assert "estimated_stepping_batches:12" in module.calls  # 64 samples / 8 = 8 batches, 4 steps x 3 epochs
     module.calls.clear()
     metrics = trainer.test(module)
     assert set(metrics) == {"test_mse"}
-    assert module.calls == ["setup:test", "on_test_start", "on_test_epoch_start", "on_test_batch_end:0",
-                            "on_test_batch_end:1", "on_test_batch_end:2", "on_test_epoch_end", "on_test_end",
-                            "teardown:test"]
+    assert module.calls == [
+        "setup:test",
+        "on_test_start",
+        "on_test_epoch_start",
+        "on_test_batch_end:0",
+        "on_test_batch_end:1",
+        "on_test_batch_end:2",
+        "on_test_epoch_end",
+        "on_test_end",
+        "teardown:test",
+    ]
     module.calls.clear()
     predictions = trainer.predict(module)
     assert predictions.shape == (20, 1)
-    assert module.calls == ["setup:predict", "on_predict_start", "on_predict_batch_start:0",
-                            "on_predict_batch_start:1", "on_predict_batch_start:2", "on_predict_end",
-                            "teardown:predict"]
+    assert module.calls == [
+        "setup:predict",
+        "on_predict_start",
+        "on_predict_batch_start:0",
+        "on_predict_batch_start:1",
+        "on_predict_batch_start:2",
+        "on_predict_end",
+        "teardown:predict",
+    ]
 
 
 def test_trainmodule_offers_save_hyperparameters_natively():
@@ -207,4 +265,4 @@ def test_trainmodule_offers_save_hyperparameters_natively():
     assert module.hparams == {"lr": 0.5, "hidden": 4, "note": "x"} and module.hparams.lr == 0.5
     assert Some().hparams == {"lr": 0.1}
     with pytest.raises(AttributeError, match="hparams has no 'nope'"):
-        module.hparams.nope
+        module.hparams.nope  # noqa: B018 (the access is what raises)

@@ -19,8 +19,14 @@ import torch
 from tests.helpers import assert_ok, launch_probe, metrics_lines, probe_args, reports, run_unifit, start_unifit, stop
 
 STRATEGIES = ["single", "ddp", "smddp-like", "fsdp", "horovod", "mirrored", "mwms", "horovod-keras"]
-STEPS = ("--trainer.checkpoint.every_n_steps", "2", "--trainer.checkpoint.keep_last_n", "null",
-         "--trainer.preemption.check_every_n_steps", "1")
+STEPS = (
+    "--trainer.checkpoint.every_n_steps",
+    "2",
+    "--trainer.checkpoint.keep_last_n",
+    "null",
+    "--trainer.preemption.check_every_n_steps",
+    "1",
+)
 
 
 def _signal_at(rank: int) -> list[dict]:
@@ -103,8 +109,13 @@ def test_every_n_minutes_saves_mid_epoch(tmp_path):
     import unifit
     from tests.probe.probe import ProbeModule
 
-    unifit.Trainer(max_epochs=3, batch_size=2, root_dir=str(tmp_path), progress_bar=False,
-                   checkpoint={"every_n_minutes": 1e-6, "keep_last_n": None}).fit(ProbeModule())
+    unifit.Trainer(
+        max_epochs=3,
+        batch_size=2,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        checkpoint={"every_n_minutes": 1e-6, "keep_last_n": None},
+    ).fit(ProbeModule())
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("epoch="))
     steps = sorted(int(n.rsplit("=", 1)[1]) for n in names)
     # 32 steps per epoch, agreed every 10 steps: saves at 10, 20, 30, 40, ... and at the three epoch ends
@@ -113,8 +124,9 @@ def test_every_n_minutes_saves_mid_epoch(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["horovod", "mwms"])
 def test_max_restarts_refused_where_no_launcher_restarts(tmp_path, strategy):
-    result = run_unifit(*probe_args(strategy if strategy != "mwms" else "mwms", tmp_path), "--max-restarts", "2",
-                        timeout=60)
+    result = run_unifit(
+        *probe_args(strategy if strategy != "mwms" else "mwms", tmp_path), "--max-restarts", "2", timeout=60
+    )
     assert result.returncode == 2, result.stderr
     # unifit's lines (checking the Keras experiment imports TensorFlow, whose C++ start-up lines come before
     # absl is initialised and follow no TF_CPP_MIN_LOG_LEVEL in TensorFlow 2.21)

@@ -62,13 +62,27 @@ def _fit_then_validate(tmp_path, module: str, fit_with: str, validate_with: list
     experiment = tmp_path / "exp.yaml"
     experiment.write_text(f"""
 module: {{class_path: {module}}}
-trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / 'run'}, progress_bar: false}}
+trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / "run"}, progress_bar: false}}
 """)
     assert_ok(run_unifit("launch", "--nproc-per-node", "2", "-c", str(experiment), "--trainer.strategy", fit_with))
     found = {f"fit under {fit_with}": json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])}
     for strategy, procs, options in validate_with:
-        assert_ok(run_unifit("launch", "--nproc-per-node", procs, "-c", str(experiment), "--trainer.strategy", strategy,
-                             *options, "--run", "validate", "--ckpt-path", "last"))
+        assert_ok(
+            run_unifit(
+                "launch",
+                "--nproc-per-node",
+                procs,
+                "-c",
+                str(experiment),
+                "--trainer.strategy",
+                strategy,
+                *options,
+                "--run",
+                "validate",
+                "--ckpt-path",
+                "last",
+            )
+        )
         found[strategy] = json.loads((tmp_path / "run" / "validate.json").read_text())["metrics"]
     return found
 
@@ -84,8 +98,9 @@ def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
 
     from tests.probe.metrics_probe import MetricsProbe, _data
 
-    found = _fit_then_validate(tmp_path, "tests.probe.metrics_probe.MetricsProbe", "ddp",
-                               [("single", "1", []), ("horovod", "2", [])])
+    found = _fit_then_validate(
+        tmp_path, "tests.probe.metrics_probe.MetricsProbe", "ddp", [("single", "1", []), ("horovod", "2", [])]
+    )
     # the reference: the checkpoint's predictions on all 37 samples, scored at once
     module = MetricsProbe()
     last = json.loads((tmp_path / "run" / "checkpoints" / "last.json").read_text())["name"]
@@ -104,9 +119,12 @@ def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
 def test_keras_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
     """keras.metrics AUC and Precision from KerasModule.stateful_metrics(): 37 validation samples over 2
     workers (mwms fit, horovod validate) or 2 replicas (mirrored) give the one-process value."""
-    found = _fit_then_validate(tmp_path, "tests.probe.keras_metrics_probe.KerasMetricsProbe", "mwms",
-                               [("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]),
-                                ("horovod", "2", [])])
+    found = _fit_then_validate(
+        tmp_path,
+        "tests.probe.keras_metrics_probe.KerasMetricsProbe",
+        "mwms",
+        [("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]), ("horovod", "2", [])],
+    )
     reference = found.pop("single")  # one process, all 37 samples at once
     assert 0.5 < reference["val/auc"] < 1.0 and 0.0 < reference["val/precision"] <= 1.0
     for where, metrics in found.items():
@@ -123,8 +141,15 @@ def test_a_stateful_metric_resumed_mid_epoch_covers_the_whole_epoch(tmp_path):
     from unifit import Trainer
 
     def trainer(root, *callbacks):
-        return Trainer(max_epochs=1, batch_size=8, root_dir=str(root), progress_bar=False, seed=0,
-                       checkpoint={"every_n_steps": 3}, callbacks=list(callbacks))
+        return Trainer(
+            max_epochs=1,
+            batch_size=8,
+            root_dir=str(root),
+            progress_bar=False,
+            seed=0,
+            checkpoint={"every_n_steps": 3},
+            callbacks=list(callbacks),
+        )
 
     torch.manual_seed(0)
     whole = trainer(tmp_path / "whole").fit(TrainMetricsProbe()).metrics["train/auroc"]

@@ -38,8 +38,10 @@ _register_marker()
 UNAVAILABLE = unavailable()
 if UNAVAILABLE:
     print(f"tests/test_multihost.py skipped: {UNAVAILABLE}", file=sys.stderr)
-pytestmark = [pytest.mark.multihost,
-              pytest.mark.skipif(UNAVAILABLE is not None, reason=f"multi-host tests: {UNAVAILABLE}")]
+pytestmark = [
+    pytest.mark.multihost,
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"multi-host tests: {UNAVAILABLE}"),
+]
 
 N_TRAIN, N_VAL, BATCH = 64, 37, 8
 PORT = 29400  # every host is a fresh namespace: fixed ports never collide with anything
@@ -54,28 +56,62 @@ def cluster():
 # ---- running a job on both hosts --------------------------------------------------------------------
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-            "GLOO_SOCKET_IFNAME": IFNAME,  # gloo advertises this host's address, not 127.0.0.1
-            **(extra or {})}
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "OMP_NUM_THREADS": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "GLOO_SOCKET_IFNAME": IFNAME,  # gloo advertises this host's address, not 127.0.0.1
+        **(extra or {}),
+    }
 
 
-def _fit_args(strategy: str, root: Path, epochs: int, callbacks: list[dict] | None = None,
-              ckpt: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+def _fit_args(
+    strategy: str,
+    root: Path,
+    epochs: int,
+    callbacks: list[dict] | None = None,
+    ckpt: str | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
     yaml_file = KERAS_PROBE_YAML if strategy == "mwms" else PROBE_YAML
-    args = ["-c", str(yaml_file), "--trainer.strategy", strategy, "--trainer.root_dir", str(root),
-            "--trainer.max_epochs", str(epochs), "--trainer.callbacks", json.dumps([report, *(callbacks or [])]),
-            *extra]
+    args = [
+        "-c",
+        str(yaml_file),
+        "--trainer.strategy",
+        strategy,
+        "--trainer.root_dir",
+        str(root),
+        "--trainer.max_epochs",
+        str(epochs),
+        "--trainer.callbacks",
+        json.dumps([report, *(callbacks or [])]),
+        *extra,
+    ]
     return args + (["--ckpt-path", ckpt] if ckpt else [])
 
 
-def start(cluster: Cluster, root: Path, per_host: dict[int, list[str]], fit_args: list[str], name: str,
-          env: dict[str, str] | None = None) -> dict[int, subprocess.Popen]:
+def start(
+    cluster: Cluster,
+    root: Path,
+    per_host: dict[int, list[str]],
+    fit_args: list[str],
+    name: str,
+    env: dict[str, str] | None = None,
+) -> dict[int, subprocess.Popen]:
     """`unifit launch <per_host[h]> <fit_args>` on each host h, its output in root/<name>-h<h>.log."""
     root.mkdir(parents=True, exist_ok=True)
-    return {host: cluster.popen(host, [sys.executable, "-m", "unifit", "launch", *launch_args, *fit_args],
-                                log=root / f"{name}-h{host}.log", env=_env(env), cwd=REPO)
-            for host, launch_args in per_host.items()}
+    return {
+        host: cluster.popen(
+            host,
+            [sys.executable, "-m", "unifit", "launch", *launch_args, *fit_args],
+            log=root / f"{name}-h{host}.log",
+            env=_env(env),
+            cwd=REPO,
+        )
+        for host, launch_args in per_host.items()
+    }
 
 
 def wait(procs: dict[int, subprocess.Popen], timeout: float) -> dict[int, int]:
@@ -93,8 +129,15 @@ def logs(root: Path, name: str) -> str:
     return "\n".join(f"==== {p.name}\n{p.read_text(errors='replace')}" for p in sorted(root.glob(f"{name}-h*.log")))
 
 
-def run_job(cluster: Cluster, root: Path, per_host: dict[int, list[str]], fit_args: list[str], name: str,
-            timeout: float = 150, env: dict[str, str] | None = None) -> str:
+def run_job(
+    cluster: Cluster,
+    root: Path,
+    per_host: dict[int, list[str]],
+    fit_args: list[str],
+    name: str,
+    timeout: float = 150,
+    env: dict[str, str] | None = None,
+) -> str:
     """Start the job on every host, wait for all, assert each exited 0; returns the hosts' output."""
     t0 = time.monotonic()
     codes = wait(start(cluster, root, per_host, fit_args, name, env=env), timeout)
@@ -141,17 +184,43 @@ def assert_nothing_left(cluster: Cluster, root: Path, keep: tuple[int, ...] = ()
     left = [pid for pid in cluster.pids() if pid not in keep]
     pgrep = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
     assert not left and not pgrep, f"processes left: {left} {pgrep}\n" + "\n".join(
-        Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in left + [int(p) for p in pgrep]
-        if Path(f"/proc/{p}").exists())
+        Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")
+        for p in left + [int(p) for p in pgrep]
+        if Path(f"/proc/{p}").exists()
+    )
 
 
 # ---- ddp and smddp-like: torchrun on each host -------------------------------------------------------
 def torchrun_hosts(cluster: Cluster, nproc: int, form: str) -> dict[int, list[str]]:
     if form == "rdzv":
-        return {h: ["--nproc-per-node", str(nproc), "--nnodes", "2", "--node-rank", str(h),
-                    "--rdzv-endpoint", f"{cluster.addresses[0]}:{PORT}"] for h in (0, 1)}
-    return {h: ["--nproc-per-node", str(nproc), "--nnodes", "2", "--node-rank", str(h),
-                "--master-addr", cluster.addresses[0], "--master-port", str(PORT)] for h in (0, 1)}
+        return {
+            h: [
+                "--nproc-per-node",
+                str(nproc),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(h),
+                "--rdzv-endpoint",
+                f"{cluster.addresses[0]}:{PORT}",
+            ]
+            for h in (0, 1)
+        }
+    return {
+        h: [
+            "--nproc-per-node",
+            str(nproc),
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(h),
+            "--master-addr",
+            cluster.addresses[0],
+            "--master-port",
+            str(PORT),
+        ]
+        for h in (0, 1)
+    }
 
 
 @pytest.mark.timeout(300)
@@ -161,8 +230,7 @@ def test_ddp_two_hosts_rendezvous_then_static_resume(cluster, tmp_path):
     run_job(cluster, root, torchrun_hosts(cluster, 2, "rdzv"), _fit_args("ddp", root, 2), "first")
     check_job(root, 4, range(2), [1, 2])
     shutil.rmtree(root / "reports")  # the resumed run writes its own
-    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "static"), _fit_args("ddp", root, 3, ckpt="last"),
-                  "resume")
+    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "static"), _fit_args("ddp", root, 3, ckpt="last"), "resume")
     check_resumed(root, out, 3)
     got = check_job_after_resume(root, 4)
     assert got[0]["global_step"] == 3 * 2
@@ -199,14 +267,20 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
     """2 hosts x 2 ranks: hybrid sharding (shard within a host, replicate across hosts), every rank
     writing its shards to the shared directory; resumed with full sharding over all 4 ranks (DCP reshards)."""
     root = tmp_path / "fsdp"
-    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "rdzv"),
-                  _fit_args("fsdp", root, 2, extra=("--trainer.strategy_options", "{sharding: hybrid}")), "first")
+    out = run_job(
+        cluster,
+        root,
+        torchrun_hosts(cluster, 2, "rdzv"),
+        _fit_args("fsdp", root, 2, extra=("--trainer.strategy_options", "{sharding: hybrid}")),
+        "first",
+    )
     assert "fsdp: hybrid sharding, 2 node(s) x 2 rank(s)" in out, out[-4000:]
     check_job(root, 4, range(2), [1, 2])
     assert len(list((root / "checkpoints" / "epoch=0002-step=0000004" / "shards").glob("__*_0.distcp"))) == 4
     shutil.rmtree(root / "reports")
-    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "static"), _fit_args("fsdp", root, 3, ckpt="last"),
-                  "resume")
+    out = run_job(
+        cluster, root, torchrun_hosts(cluster, 2, "static"), _fit_args("fsdp", root, 3, ckpt="last"), "resume"
+    )
     assert "fsdp: full sharding, 4 rank(s)" in out, out[-4000:]
     check_resumed(root, out, 3)
     check_job_after_resume(root, 4)
@@ -214,9 +288,16 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
 
 
 # ---- a host loses its network mid-run ---------------------------------------------------------------
-def cut_mid_run(cluster: Cluster, root: Path, per_host: dict[int, list[str]], fit_args: list[str],
-                env: dict[str, str] | None = None, keep: tuple[int, ...] = (), settle_s: float = 1.0,
-                after_epoch: int = 1) -> str:
+def cut_mid_run(
+    cluster: Cluster,
+    root: Path,
+    per_host: dict[int, list[str]],
+    fit_args: list[str],
+    env: dict[str, str] | None = None,
+    keep: tuple[int, ...] = (),
+    settle_s: float = 1.0,
+    after_epoch: int = 1,
+) -> str:
     """Start the job, cut host 1's link once epoch `after_epoch`'s checkpoint is written, and require
     every process to end, non-zero, within 60 s, with a line saying what failed."""
     procs = start(cluster, root, per_host, fit_args, "cut", env=env)
@@ -254,24 +335,41 @@ TIMEOUT = ("--trainer.collective_timeout_s", "10")
 @pytest.mark.timeout(300)
 def test_ddp_host_cut_mid_run_ends_every_process_with_one_line(cluster, tmp_path):
     root = tmp_path / "ddp-cut"
-    cut_mid_run(cluster, root, torchrun_hosts(cluster, 2, "rdzv"),
-                _fit_args("ddp", root, 50, callbacks=SLOW, extra=TIMEOUT))
+    cut_mid_run(
+        cluster, root, torchrun_hosts(cluster, 2, "rdzv"), _fit_args("ddp", root, 50, callbacks=SLOW, extra=TIMEOUT)
+    )
 
 
 # ---- mwms: one TF_CONFIG worker per host, the same port on both ---------------------------------------
 def mwms_hosts(cluster: Cluster) -> dict[int, list[str]]:
-    return {h: ["--hosts", ",".join(cluster.addresses), "--node-rank", str(h), "--master-port", str(PORT)]
-            for h in (0, 1)}
+    return {
+        h: ["--hosts", ",".join(cluster.addresses), "--node-rank", str(h), "--master-port", str(PORT)] for h in (0, 1)
+    }
 
 
-def resume_then_cut(cluster: Cluster, root: Path, per_host: dict[int, list[str]], strategy: str, world: int,
-                    env: dict[str, str] | None = None, keep: tuple[int, ...] = ()) -> None:
+def resume_then_cut(
+    cluster: Cluster,
+    root: Path,
+    per_host: dict[int, list[str]],
+    strategy: str,
+    world: int,
+    env: dict[str, str] | None = None,
+    keep: tuple[int, ...] = (),
+) -> None:
     """Two launches: 2 epochs, checked; then a resumed run that continues (epoch 3 follows epoch 2)
     until host 1's link is cut in its second epoch, which must end every process with one line."""
     run_job(cluster, root, per_host, _fit_args(strategy, root, 2, extra=TIMEOUT), "first", env=env)
     check_job(root, world, range(2), [1, 2])
-    out = cut_mid_run(cluster, root, per_host, _fit_args(strategy, root, 500, ckpt="last", extra=TIMEOUT), env=env,
-                      keep=keep, settle_s=0.5, after_epoch=4)
+    out = cut_mid_run(
+        cluster,
+        root,
+        per_host,
+        _fit_args(strategy, root, 500, ckpt="last", extra=TIMEOUT),
+        env=env,
+        keep=keep,
+        settle_s=0.5,
+        after_epoch=4,
+    )
     assert "resumed from" in out, out[-4000:]
     epochs = [line["epoch"] for line in metrics_lines(root)]
     assert epochs[:4] == [1, 2, 3, 4], epochs  # continued from the checkpoint of epoch 2, once per job
@@ -286,8 +384,9 @@ def test_mwms_two_hosts_same_port_resume_and_cut(cluster, tmp_path):
 
 # ---- horovod: horovodrun on the first host, over ssh to the second ----------------------------------
 def sshd_path() -> str | None:
-    return shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if Path(p).exists()),
-                                        None)
+    return shutil.which("sshd") or next(
+        (p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if Path(p).exists()), None
+    )
 
 
 def start_sshd(cluster: Cluster, host: int, where: Path) -> tuple[dict[str, str], int]:
@@ -304,14 +403,16 @@ def start_sshd(cluster: Cluster, host: int, where: Path) -> tuple[dict[str, str]
         f"AuthorizedKeysFile {where / 'authorized_keys'}\nPidFile {where / 'sshd.pid'}\n"
         "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
         "UsePAM no\nStrictModes no\nPrintMotd no\n"
-        "ClientAliveInterval 2\nClientAliveCountMax 3\n")  # a session whose client is cut off ends
+        "ClientAliveInterval 2\nClientAliveCountMax 3\n"
+    )  # a session whose client is cut off ends
     (where / "ssh_config").write_text(
         f"Host *\n  IdentityFile {where / 'id'}\n  IdentitiesOnly yes\n  UserKnownHostsFile {where / 'known_hosts'}\n"
-        "  StrictHostKeyChecking no\n  BatchMode yes\n  LogLevel ERROR\n")
+        "  StrictHostKeyChecking no\n  BatchMode yes\n  LogLevel ERROR\n"
+    )
     bin_dir = where / "bin"
     bin_dir.mkdir(exist_ok=True)
     wrapper = bin_dir / "ssh"
-    wrapper.write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {where / 'ssh_config'} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {where / "ssh_config"} "$@"\n')
     wrapper.chmod(0o755)
     os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
     proc = cluster.popen(host, [sshd, "-D", "-e", "-f", str(where / "sshd_config")], log=where / "sshd.log")
@@ -323,13 +424,19 @@ def start_sshd(cluster: Cluster, host: int, where: Path) -> tuple[dict[str, str]
             return env, proc.pid
         assert proc.poll() is None and time.monotonic() < deadline, (
             f"sshd in {cluster.namespaces[host]} did not accept the key: {probe.stderr}\n"
-            f"{(where / 'sshd.log').read_text()}")
+            f"{(where / 'sshd.log').read_text()}"
+        )
         time.sleep(0.3)
 
 
-HOROVOD_SKIP = None if sshd_path() and shutil.which("ssh") and shutil.which("ssh-keygen") else (
-    "horovodrun reaches the second host over ssh and no sshd/ssh/ssh-keygen is installed here "
-    "(Debian: apt-get install openssh-server openssh-client)")
+HOROVOD_SKIP = (
+    None
+    if sshd_path() and shutil.which("ssh") and shutil.which("ssh-keygen")
+    else (
+        "horovodrun reaches the second host over ssh and no sshd/ssh/ssh-keygen is installed here "
+        "(Debian: apt-get install openssh-server openssh-client)"
+    )
+)
 if HOROVOD_SKIP:
     print(f"tests/test_multihost.py: horovod cases skipped: {HOROVOD_SKIP}", file=sys.stderr)
 

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,8 @@ def test_config_reference_matches_the_schema():
     from unifit.trainer.config_docs import render
 
     assert (REPO / "docs" / "config.md").read_text() == render(), (
-        "docs/config.md is out of date: run python -m unifit.trainer.config_docs > docs/config.md")
+        "docs/config.md is out of date: run python -m unifit.trainer.config_docs > docs/config.md"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -38,8 +38,17 @@ def test_torch_path_works_with_tensorflow_and_horovod_unimportable(tmp_path):
 
 
 def test_import_unifit_imports_no_framework():
-    result = subprocess.run([sys.executable, "-c", "import sys, unifit; print(sorted(m for m in ('torch', 'tensorflow') if m in sys.modules))"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, unifit; print(sorted(m for m in ('torch', 'tensorflow') if m in sys.modules))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.stdout.strip() == "[]", result.stderr
 
 
@@ -59,9 +68,23 @@ def test_torchrun_launcher_passes_multi_node_flags_through():
     one_node = launcher.torchrun_args(LaunchSpec(nproc_per_node=2, fit_args=["-c", "x.yaml"]))
     assert one_node == ["--nproc-per-node", "2", "--standalone", "-m", "unifit", "fit", "-c", "x.yaml"]
     spec = LaunchSpec(nproc_per_node=4, nnodes=2, node_rank=1, rdzv_endpoint="head:29400", fit_args=["-c", "x.yaml"])
-    assert launcher.torchrun_args(spec) == ["--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
-                                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400",
-                                            "-m", "unifit", "fit", "-c", "x.yaml"]
+    assert launcher.torchrun_args(spec) == [
+        "--nproc-per-node",
+        "4",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "head:29400",
+        "-m",
+        "unifit",
+        "fit",
+        "-c",
+        "x.yaml",
+    ]
     static = LaunchSpec(nproc_per_node=1, nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=7777)
     assert "--master-addr" in launcher.torchrun_args(static) and "7777" in launcher.torchrun_args(static)
 
@@ -69,11 +92,19 @@ def test_torchrun_launcher_passes_multi_node_flags_through():
 @pytest.mark.timeout(120)
 def test_a_torch_run_with_tensorboard_does_not_load_tensorflow(tmp_path):
     """TensorBoard's writer would import TensorFlow when installed (seconds, ~500 MB, its log lines)."""
-    code = ("import sys, unifit; from tests.probe.probe import ProbeModule; "
-            f"unifit.Trainer(max_epochs=1, root_dir={str(tmp_path)!r}, progress_bar=False).fit(ProbeModule()); "
-            "print('tensorflow loaded:', 'tensorflow' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=100,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys, unifit; from tests.probe.probe import ProbeModule; "
+        f"unifit.Trainer(max_epochs=1, root_dir={str(tmp_path)!r}, progress_bar=False).fit(ProbeModule()); "
+        "print('tensorflow loaded:', 'tensorflow' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr
     assert "tensorflow loaded: False" in result.stdout
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -21,9 +21,16 @@ RUN_COLOURS = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0x2C, 0xA0, 0x2C)]  # ta
 
 
 def fit(root: str, lr: float) -> None:
-    unifit.Trainer(strategy="single", max_epochs=3, batch_size=8, root_dir=root, progress_bar=False, seed=0,
-                   checkpoint={"enabled": False}, tensorboard={"log_every_n_steps": 4}).fit(
-        ProbeModule(lr=lr, dropout=0.0))
+    unifit.Trainer(
+        strategy="single",
+        max_epochs=3,
+        batch_size=8,
+        root_dir=root,
+        progress_bar=False,
+        seed=0,
+        checkpoint={"enabled": False},
+        tensorboard={"log_every_n_steps": 4},
+    ).fit(ProbeModule(lr=lr, dropout=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +87,28 @@ def test_labels_html_and_a_run_on_s3(runs, s3_endpoint, bucket, tmp_path, capsys
     fit(url, 0.02)  # metrics.jsonl written to S3, event files synced to <root_dir>/tensorboard there
     out = tmp_path / "runs.html"
     options = json.dumps({"endpoint_url": s3_endpoint.url})
-    assert main(["plot", *runs, url, "-o", str(out), "--label", "fast", "--label", "slow", "--label", "s3",
-                 "--size", "1000x800", "--storage-options", options]) == 0
+    assert (
+        main(
+            [
+                "plot",
+                *runs,
+                url,
+                "-o",
+                str(out),
+                "--label",
+                "fast",
+                "--label",
+                "slow",
+                "--label",
+                "s3",
+                "--size",
+                "1000x800",
+                "--storage-options",
+                options,
+            ]
+        )
+        == 0
+    )
     assert "no wall time" not in capsys.readouterr().out  # the S3 run's event files were found too
     page = out.read_text()
     for text in ("<td>fast</td>", "<td>slow</td>", "<td>s3</td>", url):
@@ -108,8 +135,12 @@ def test_bad_run_dir_is_one_line_naming_the_path_exit_2(runs, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("unifit: error: unifit plot: ") and err.count("\n") == 1, err
     assert str(bad) in err
-    assert {"missing-dir": "does not exist", "no-metrics": "not a unifit run directory",
-            "empty-metrics": "is empty", "not-json": "line 2 is not JSON"}[case] in err
+    assert {
+        "missing-dir": "does not exist",
+        "no-metrics": "not a unifit run directory",
+        "empty-metrics": "is empty",
+        "not-json": "line 2 is not JSON",
+    }[case] in err
     assert not out.exists()
 
 

@@ -33,8 +33,14 @@ from tests.probe.keras_probe import KerasProbe, indexed
 # steps from the same initial weights, and mirrored's 32-true run is the reference for all three
 # (dropout masks depend on which replica holds a sample; under tf.distribute gradient_clip_val clips
 # each replica's share of the gradient, under horovod the averaged gradient).
-COMMON = ("--module.class_path", "tests.test_precision_keras.PlainProbe", "--module.init_args.dropout", "0.0",
-          "--trainer.max_epochs", "2")
+COMMON = (
+    "--module.class_path",
+    "tests.test_precision_keras.PlainProbe",
+    "--module.init_args.dropout",
+    "0.0",
+    "--trainer.max_epochs",
+    "2",
+)
 # bf16-mixed vs 32-true, relative, per epoch, measured on these runs: at most 1.2% (mirrored, train
 # loss of epoch 2), 0.94% (mwms, horovod), 0.72% (single); bfloat16 rounds each op's result to 8
 # significant bits (2**-9 relative). 32-true itself differs by <= 7e-8 between mirrored, mwms and
@@ -72,18 +78,34 @@ class OverflowProbe(PlainProbe):
 # ---- the single and mirrored fits, in one child process ---------------------------------------
 def _fits(root: Path) -> list[tuple[str, list[str]]]:
     """(name, command-line arguments) of every in-process fit, in order."""
+
     def fit(name: str, strategy: str, *extra: str, ckpt: str | None = None) -> tuple[str, list[str]]:
         report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / name / "reports")}}
         options = ["--trainer.strategy_options", "{devices: 2}"] if strategy == "mirrored" else []
-        args = ["fit", "-c", str(KERAS_PROBE_YAML), "--trainer.strategy", strategy, "--trainer.root_dir",
-                str(root / name), "--trainer.callbacks", json.dumps([report]), *options, *COMMON, *extra]
+        args = [
+            "fit",
+            "-c",
+            str(KERAS_PROBE_YAML),
+            "--trainer.strategy",
+            strategy,
+            "--trainer.root_dir",
+            str(root / name),
+            "--trainer.callbacks",
+            json.dumps([report]),
+            *options,
+            *COMMON,
+            *extra,
+        ]
         return name, args + (["--ckpt-path", ckpt] if ckpt else [])
 
     def epoch_1(name: str, steps: int) -> str:
         return str(root / name / "checkpoints" / f"epoch=0001-step={steps:07d}")
 
-    bf16, fp16, clip = ("--trainer.precision", "bf16-mixed"), ("--trainer.precision", "16-mixed"), \
-        ("--trainer.gradient_clip_val", "0.5")
+    bf16, fp16, clip = (
+        ("--trainer.precision", "bf16-mixed"),
+        ("--trainer.precision", "16-mixed"),
+        ("--trainer.gradient_clip_val", "0.5"),
+    )
     overflow = ("--module.class_path", "tests.test_precision_keras.OverflowProbe", *fp16, *clip)
     return [  # mirrored first: it splits the CPU into 2 logical devices before TensorFlow starts
         fit("mirrored-bf16", "mirrored", *bf16),
@@ -97,8 +119,14 @@ def _fits(root: Path) -> list[tuple[str, list[str]]]:
         fit("single-bf16", "single", *bf16),
         fit("single-32", "single"),
         fit("single-bf16-resumed", "single", *bf16, ckpt=epoch_1("single-bf16", 8)),
-        fit("single-xla-refused", "single", "--module.class_path", "tests.probe.keras_probe.KerasProbe",
-            "--trainer.compile", "true"),  # the probe's own step holds a tf.py_function
+        fit(
+            "single-xla-refused",
+            "single",
+            "--module.class_path",
+            "tests.probe.keras_probe.KerasProbe",
+            "--trainer.compile",
+            "true",
+        ),  # the probe's own step holds a tf.py_function
     ]
 
 
@@ -115,9 +143,13 @@ def run_fits(root: str) -> None:
         before = len(PlainProbe.built_under)
         with contextlib.redirect_stderr(err):
             code = main(args)
-        results[name] = {"code": code, "errors": [line for line in err.getvalue().splitlines() if "error" in line],
-                         "traceback": "Traceback" in err.getvalue(), "policy_after": keras.config.dtype_policy().name,
-                         "built_under": PlainProbe.built_under[before:]}
+        results[name] = {
+            "code": code,
+            "errors": [line for line in err.getvalue().splitlines() if "error" in line],
+            "traceback": "Traceback" in err.getvalue(),
+            "policy_after": keras.config.dtype_policy().name,
+            "built_under": PlainProbe.built_under[before:],
+        }
         print(f"{name}: exit {code} {results[name]['errors']}", file=sys.__stderr__, flush=True)
     Path(root, "results.json").write_text(json.dumps(results))
 
@@ -130,8 +162,14 @@ class _Fits:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         code = f"from tests.test_precision_keras import run_fits; run_fits({str(root)!r})"
         with open(root / "child.log", "w") as log:  # a file, not a pipe nobody drains while launches run
-            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self._results: dict | None = None
 
     def results(self, timeout: float = 500) -> dict:
@@ -194,8 +232,17 @@ def _check_bf16(full: Path, resumed: Path, reference: Path) -> None:
 def test_bf16_launched_strategies(local, tmp_path, strategy):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert_ok(launch_probe(strategy, full, *COMMON, "--trainer.precision", "bf16-mixed", timeout=300))
-    assert_ok(launch_probe(strategy, resumed, *COMMON, "--trainer.precision", "bf16-mixed", timeout=300,
-                           ckpt=str(full / "checkpoints" / "epoch=0001-step=0000004")))
+    assert_ok(
+        launch_probe(
+            strategy,
+            resumed,
+            *COMMON,
+            "--trainer.precision",
+            "bf16-mixed",
+            timeout=300,
+            ckpt=str(full / "checkpoints" / "epoch=0001-step=0000004"),
+        )
+    )
     local.results()
     _check_bf16(full, resumed, local.root / "mirrored-32")
 
@@ -239,7 +286,10 @@ def test_float16_overflow_on_one_replica_skips_the_step_everywhere_and_the_scale
     assert np.isfinite(got[0]["weights_sum"])  # the second replica's inf never reached the weights
     assert all(np.isfinite(_losses(full, "val/loss")))
     # one skipped step per epoch: the scale halves, and the 2 steps after it count towards growing it
-    assert _precision_state(full / "checkpoints" / "epoch=0001-step=0000004") == {"loss_scale": 2.0**14, "good_steps": 2}
+    assert _precision_state(full / "checkpoints" / "epoch=0001-step=0000004") == {
+        "loss_scale": 2.0**14,
+        "good_steps": 2,
+    }
     assert _precision_state(_last(full)) == {"loss_scale": 2.0**13, "good_steps": 2}
     assert _precision_state(_last(resumed)) == _precision_state(_last(full))  # it went on from 2**14
     assert _losses(resumed) == _losses(full)[1:]

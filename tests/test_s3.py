@@ -39,12 +39,26 @@ def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_
     fs = s3_endpoint.fs()
     full, part = f"s3://{bucket}/full", f"s3://{bucket}/part"
     common = ["--trainer.tensorboard.sync_every_s", "0.5"]
-    assert_ok(launch_probe(strategy, full, "--trainer.max_epochs", "4", *common,
-                           report_dir=tmp_path / "full", env=s3_endpoint.env))
-    assert_ok(launch_probe(strategy, part, "--trainer.max_epochs", "2", *common,
-                           report_dir=tmp_path / "part", env=s3_endpoint.env))
-    resumed = launch_probe(strategy, part, "--trainer.max_epochs", "4", *common, ckpt="last",
-                           report_dir=tmp_path / "part", env=s3_endpoint.env)
+    assert_ok(
+        launch_probe(
+            strategy, full, "--trainer.max_epochs", "4", *common, report_dir=tmp_path / "full", env=s3_endpoint.env
+        )
+    )
+    assert_ok(
+        launch_probe(
+            strategy, part, "--trainer.max_epochs", "2", *common, report_dir=tmp_path / "part", env=s3_endpoint.env
+        )
+    )
+    resumed = launch_probe(
+        strategy,
+        part,
+        "--trainer.max_epochs",
+        "4",
+        *common,
+        ckpt="last",
+        report_dir=tmp_path / "part",
+        env=s3_endpoint.env,
+    )
     assert_ok(resumed)
     assert f"resumed from s3://{bucket}/part/checkpoints/epoch=0002" in resumed.stderr
 
@@ -62,8 +76,10 @@ def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_
     a, b = _s3_lines(fs, f"{full}/metrics.jsonl"), _s3_lines(fs, f"{part}/metrics.jsonl")
     assert [line["epoch"] for line in b] == [1, 2, 3, 4]
     assert [line["train/loss"] for line in b] == pytest.approx([line["train/loss"] for line in a], rel=1e-9)
-    assert json.loads((tmp_path / "full" / "report_0.json").read_text())["weights_sha256"] == \
-        json.loads((tmp_path / "part" / "report_0.json").read_text())["weights_sha256"]
+    assert (
+        json.loads((tmp_path / "full" / "report_0.json").read_text())["weights_sha256"]
+        == json.loads((tmp_path / "part" / "report_0.json").read_text())["weights_sha256"]
+    )
 
     # the synced event files hold every epoch scalar with the right steps (TensorBoard's reader)
     scalars = _tb_scalars(fs, f"{full}/tensorboard", tmp_path / "tb")
@@ -83,20 +99,37 @@ def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket,
     fs = s3_endpoint.fs()
     tb_url = f"s3://{bucket}/outage/tb"
     gates = tmp_path / "gates"
-    proc = start_unifit(*probe_args(
-        "single", tmp_path / "run", "--trainer.max_epochs", "30", "--trainer.tensorboard.sync_to", tb_url,
-        "--trainer.tensorboard.sync_every_s", "0.3",
-        # botocore without its own retries (a user setting too; s3fs still retries), so a sync pass gives up soon
-        "--trainer.storage_options", json.dumps({"config_kwargs": {
-            "retries": {"max_attempts": 1}, "connect_timeout": 2}}),
-        callbacks=[{"class_path": "tests.probe.gates.Gates",
-                    "init_args": {"directory": str(gates), "epochs": [1, 3], "timeout_s": 150}}]),
-        env=s3_endpoint.env)
+    proc = start_unifit(
+        *probe_args(
+            "single",
+            tmp_path / "run",
+            "--trainer.max_epochs",
+            "30",
+            "--trainer.tensorboard.sync_to",
+            tb_url,
+            "--trainer.tensorboard.sync_every_s",
+            "0.3",
+            # botocore without its own retries (a user setting too; s3fs still retries), so a sync pass gives up soon
+            "--trainer.storage_options",
+            json.dumps({"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}),
+            callbacks=[
+                {
+                    "class_path": "tests.probe.gates.Gates",
+                    "init_args": {"directory": str(gates), "epochs": [1, 3], "timeout_s": 150},
+                }
+            ],
+        ),
+        env=s3_endpoint.env,
+    )
     err, out = _LineReader(proc.stderr), _LineReader(proc.stdout)
     s3_down = False
     try:
-        _wait_for(lambda: os.path.exists(held(gates, 1)) and _exists(fs, f"{bucket}/outage/tb"), proc, err,
-                  "the run never reached epoch 1's end with its logs synced")
+        _wait_for(
+            lambda: os.path.exists(held(gates, 1)) and _exists(fs, f"{bucket}/outage/tb"),
+            proc,
+            err,
+            "the run never reached epoch 1's end with its logs synced",
+        )
         s3_endpoint.stop()  # S3 goes away mid-run ...
         s3_down = True
         open_gate(gates, 1)  # ... before epoch 2's scalars are written, so there is always something to sync
@@ -134,7 +167,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _wait_for(condition, proc: subprocess.Popen, err: "_LineReader", what: str, timeout: float = 90) -> None:
+def _wait_for(condition, proc: subprocess.Popen, err: _LineReader, what: str, timeout: float = 90) -> None:
     """Poll `condition` until it holds; fail at once if the run ended, or after `timeout` s."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -187,8 +220,13 @@ def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoi
             time.sleep(60)
         store.save("epoch=0002-step=0000020", slow, {{}})
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **s3_endpoint.env})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **s3_endpoint.env},
+    )
     try:
         assert proc.stdout.readline().strip() == "uploading"
         os.kill(proc.pid, signal.SIGKILL)
@@ -205,10 +243,20 @@ def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoi
 
 @pytest.mark.parametrize("ckpt", [None, "auto"])  # auto must not read an unlistable location as "no checkpoint yet"
 def test_missing_bucket_is_found_before_training(s3_endpoint, tmp_path, ckpt):
-    result = launch_probe("single", tmp_path / "run", "--trainer.checkpoint.dir", "s3://no-such-bucket-x/ckpt",
-                          env=s3_endpoint.env, timeout=120, ckpt=ckpt)
+    result = launch_probe(
+        "single",
+        tmp_path / "run",
+        "--trainer.checkpoint.dir",
+        "s3://no-such-bucket-x/ckpt",
+        env=s3_endpoint.env,
+        timeout=120,
+        ckpt=ckpt,
+    )
     assert result.returncode == 2, result.stderr
-    assert "trainer.checkpoint.dir: 's3://no-such-bucket-x/ckpt' cannot be written: the bucket does not exist" in result.stderr
+    assert (
+        "trainer.checkpoint.dir: 's3://no-such-bucket-x/ckpt' cannot be written: the bucket does not exist"
+        in result.stderr
+    )
     assert "epoch 1" not in result.stdout
 
 
@@ -219,15 +267,25 @@ def test_bad_credentials_are_found_before_training_and_never_printed(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_port(port)
         secret = "very-secret-value-123"
         options = json.dumps({"endpoint_url": f"http://127.0.0.1:{port}", "key": "AKIAWRONG", "secret": secret})
-        result = launch_probe("single", tmp_path / "run", "--trainer.checkpoint.dir", "s3://some-bucket/ckpt",
-                              "--trainer.storage_options", options, timeout=120)
+        result = launch_probe(
+            "single",
+            tmp_path / "run",
+            "--trainer.checkpoint.dir",
+            "s3://some-bucket/ckpt",
+            "--trainer.storage_options",
+            options,
+            timeout=120,
+        )
     finally:
         server.kill()
         server.wait()
@@ -238,10 +296,22 @@ def test_bad_credentials_are_found_before_training_and_never_printed(tmp_path):
 
 
 def test_secrets_never_reach_the_saved_config(s3_endpoint, bucket, tmp_path):
-    options = json.dumps({"endpoint_url": s3_endpoint.url, "key": s3_endpoint.env["AWS_ACCESS_KEY_ID"],
-                          "secret": s3_endpoint.env["AWS_SECRET_ACCESS_KEY"]})
-    result = launch_probe("single", f"s3://{bucket}/secret-run", "--trainer.max_epochs", "1",
-                          "--trainer.storage_options", options, report_dir=tmp_path)
+    options = json.dumps(
+        {
+            "endpoint_url": s3_endpoint.url,
+            "key": s3_endpoint.env["AWS_ACCESS_KEY_ID"],
+            "secret": s3_endpoint.env["AWS_SECRET_ACCESS_KEY"],
+        }
+    )
+    result = launch_probe(
+        "single",
+        f"s3://{bucket}/secret-run",
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.storage_options",
+        options,
+        report_dir=tmp_path,
+    )
     assert_ok(result)
     saved = s3_endpoint.fs().cat_file(f"{bucket}/secret-run/config.yaml").decode()
     assert "unifit-test-secret" not in saved and "secret: '***'" in saved
@@ -264,11 +334,23 @@ def test_data_sharded_by_file_from_s3(s3_endpoint, bucket, tmp_path):
     from examples.digits.make_shards import write_shards
 
     write_shards(f"s3://{bucket}/digits", shards=4)
-    result = run_unifit("launch", "--nproc-per-node", "2", "-c", "examples/digits/sharded.yaml",
-                        "--data.init_args.train", f"s3://{bucket}/digits/train-*.npz",
-                        "--data.init_args.val", f"s3://{bucket}/digits/val-*.npz",
-                        "--trainer.root_dir", f"s3://{bucket}/runs/sharded", "--trainer.max_epochs", "6",
-                        env=s3_endpoint.env, timeout=200)
+    result = run_unifit(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "-c",
+        "examples/digits/sharded.yaml",
+        "--data.init_args.train",
+        f"s3://{bucket}/digits/train-*.npz",
+        "--data.init_args.val",
+        f"s3://{bucket}/digits/val-*.npz",
+        "--trainer.root_dir",
+        f"s3://{bucket}/runs/sharded",
+        "--trainer.max_epochs",
+        "6",
+        env=s3_endpoint.env,
+        timeout=200,
+    )
     assert_ok(result)
     fs = s3_endpoint.fs()
     lines = _s3_lines(fs, f"s3://{bucket}/runs/sharded/metrics.jsonl")
@@ -312,8 +394,12 @@ def test_unifit_tensorboard_serves_scalars_from_s3(s3_endpoint, bucket, tmp_path
     board = start_unifit("tensorboard", f"{run}/tensorboard", "--port", "0", "--refresh-s", "1", env=s3_endpoint.env)
     out, err = _LineReader(board.stdout), _LineReader(board.stderr)
     try:
-        _wait_for(lambda: any("TensorBoard at http" in line for line in out.lines), board, err,
-                  "unifit tensorboard never said where it serves")
+        _wait_for(
+            lambda: any("TensorBoard at http" in line for line in out.lines),
+            board,
+            err,
+            "unifit tensorboard never said where it serves",
+        )
         address = next(line for line in out.lines if "TensorBoard at http" in line).split(" at ", 1)[1].split()[0]
         base = address.rstrip("/") + "/data"
         runs: list = []

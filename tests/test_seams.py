@@ -20,8 +20,7 @@ def test_strategy_by_class_path_owns_step_clip_and_state_io(tmp_path):
     out.mkdir()
     env = {"COUNTING_STRATEGY_OUT": str(out)}
     # 64 samples / 2 ranks / batch 8 = 4 micro-batches per epoch, 2 per optimizer step
-    args = ["--trainer.accumulate_grad_batches", "2", "--trainer.gradient_clip_val", "1.0",
-            "--trainer.max_epochs", "2"]
+    args = ["--trainer.accumulate_grad_batches", "2", "--trainer.gradient_clip_val", "1.0", "--trainer.max_epochs", "2"]
     first = run_unifit(*_custom(probe_args("ddp", tmp_path / "run", *args)), env=env, timeout=240)
     assert_ok(first)
     counts = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -30,25 +29,32 @@ def test_strategy_by_class_path_owns_step_clip_and_state_io(tmp_path):
     final = reports(tmp_path / "run")
     assert len(final) == 2 and len({r["weights_sha256"] for r in final}) == 1  # the user's DDP still averages
 
-    resumed = run_unifit(*_custom(probe_args("ddp", tmp_path / "run", "--trainer.max_epochs", "3",
-                                             *args[:4], ckpt="last")), env=env, timeout=240)
+    resumed = run_unifit(
+        *_custom(probe_args("ddp", tmp_path / "run", "--trainer.max_epochs", "3", *args[:4], ckpt="last")),
+        env=env,
+        timeout=240,
+    )
     assert_ok(resumed)
     assert json.loads((out / "rank0.json").read_text())["load"] == 1
 
 
 def _custom(args: list[str]) -> list[str]:
     i = args.index("--trainer.strategy")
-    return args[:i + 1] + [CUSTOM] + args[i + 2:]
+    return args[: i + 1] + [CUSTOM] + args[i + 2 :]
 
 
-@pytest.mark.parametrize("path, expected", [
-    ("tests.probe.custom_strategy:NotAStrategy", "not a subclass of unifit.strategies.Strategy"),
-    ("tests.probe.nowhere:Thing", "tests.probe.nowhere"),
-    ("ddpp", "unknown strategy 'ddpp'"),
-])
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("tests.probe.custom_strategy:NotAStrategy", "not a subclass of unifit.strategies.Strategy"),
+        ("tests.probe.nowhere:Thing", "tests.probe.nowhere"),
+        ("ddpp", "unknown strategy 'ddpp'"),
+    ],
+)
 def test_bad_strategy_class_path_is_one_line(tmp_path, path, expected):
-    result = run_unifit("print-config", "-c", str(REPO / "tests/probe/probe.yaml"), "--trainer.strategy", path,
-                        timeout=60)
+    result = run_unifit(
+        "print-config", "-c", str(REPO / "tests/probe/probe.yaml"), "--trainer.strategy", path, timeout=60
+    )
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "trainer.strategy" in lines[0] and expected in lines[0], result.stderr
@@ -67,8 +73,14 @@ def test_progress_moves_with_the_loop_and_is_saved(tmp_path):
             p = ctx.progress
             seen.append((p.epoch, p.batch_in_epoch, p.optimizer_step, p.samples_seen))
 
-    trainer = unifit.Trainer(max_epochs=2, batch_size=8, accumulate_grad_batches=3, root_dir=str(tmp_path),
-                             progress_bar=False, callbacks=[Watch()])
+    trainer = unifit.Trainer(
+        max_epochs=2,
+        batch_size=8,
+        accumulate_grad_batches=3,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        callbacks=[Watch()],
+    )
     state = trainer.fit(ProbeModule(n_train=60))
     # 60 samples / 8 = 8 micro-batches (the last has 4); optimizer steps after micro-batches 3, 6, 8
     assert seen[:8] == [(0, b, s, 0) for b, s in zip(range(1, 9), [0, 0, 1, 1, 1, 2, 2, 3])]
@@ -79,16 +91,24 @@ def test_progress_moves_with_the_loop_and_is_saved(tmp_path):
     saved = torch.load(tmp_path / "checkpoints" / "epoch=0002-step=0000006" / "state.pt", weights_only=True)
     assert saved["trainer"]["progress"]["samples_seen"] == 120
 
-    resumed = unifit.Trainer(max_epochs=3, batch_size=8, accumulate_grad_batches=3, root_dir=str(tmp_path),
-                             progress_bar=False).fit(ProbeModule(n_train=60), ckpt_path="last")
+    resumed = unifit.Trainer(
+        max_epochs=3, batch_size=8, accumulate_grad_batches=3, root_dir=str(tmp_path), progress_bar=False
+    ).fit(ProbeModule(n_train=60), ckpt_path="last")
     assert (resumed.progress.epoch, resumed.progress.optimizer_step, resumed.progress.samples_seen) == (3, 9, 180)
 
 
 def test_state_from_a_checkpoint_written_before_progress():
     from unifit.trainer.state import TrainState
 
-    old = {"epoch": 2, "global_step": 16, "batch_idx": 7, "steps_per_epoch": 8, "metrics": {"val/loss": 0.5},
-           "should_stop": False, "stop_reason": None}
+    old = {
+        "epoch": 2,
+        "global_step": 16,
+        "batch_idx": 7,
+        "steps_per_epoch": 8,
+        "metrics": {"val/loss": 0.5},
+        "should_stop": False,
+        "stop_reason": None,
+    }
     state = TrainState.from_dict(old)
     assert (state.epoch, state.global_step, state.progress.steps_per_epoch) == (2, 16, 8)
     assert state.metrics == {"val/loss": 0.5}
@@ -96,9 +116,17 @@ def test_state_from_a_checkpoint_written_before_progress():
 
 def test_imports_run_one_way():
     """pyproject's import-linter layers contract holds, and it covers every module of unifit."""
-    result = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports; "
-                             "raise SystemExit(lint_imports(no_cache=True))"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from importlinter.cli import lint_imports; raise SystemExit(lint_imports(no_cache=True))",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "1 kept, 0 broken" in result.stdout
 
@@ -106,8 +134,10 @@ def test_imports_run_one_way():
 
     layers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
     covered = {name.strip() for layer in layers for name in layer.split("|")}
-    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-               for p in (REPO / "unifit").rglob("*.py")}
+    modules = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for p in (REPO / "unifit").rglob("*.py")
+    }
     entry = {"unifit", "unifit.__main__", "unifit.trainer"}  # lazy re-exports and `python -m unifit`
     outside = sorted(m for m in modules - entry if not any(m == c or m.startswith(c + ".") for c in covered))
     assert not outside, f"modules in no layer of the import contract: {outside}"
@@ -137,11 +167,14 @@ class _RankView:
         self.strategy = Rank1(ClusterEnvironment(rank=1, world_size=2))
 
 
-@pytest.mark.parametrize("readable, others_blind, expected", [
-    (True, False, {"from": "rank 1's own read"}),  # shared storage: no weights over the wire
-    (False, False, {"from": "rank 0"}),  # this rank cannot read it: rank 0 sends
-    (True, True, {"from": "rank 0"}),  # another rank cannot: everyone takes rank 0's copy
-])
+@pytest.mark.parametrize(
+    "readable, others_blind, expected",
+    [
+        (True, False, {"from": "rank 1's own read"}),  # shared storage: no weights over the wire
+        (False, False, {"from": "rank 0"}),  # this rank cannot read it: rank 0 sends
+        (True, True, {"from": "rank 0"}),  # another rank cannot: everyone takes rank 0's copy
+    ],
+)
 def test_every_rank_reads_its_state_itself_where_it_can(readable, others_blind, expected):
     def read_at(url):
         assert url == "s3://bucket/ckpt/epoch=0001-step=0000004"

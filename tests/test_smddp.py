@@ -26,12 +26,33 @@ def test_hierarchical_gradients_equal_flat_ddp_on_2_nodes_x_2_ranks(tmp_path):
     """Two torchrun 'nodes' on this machine (static rendezvous), 2 ranks each."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HIERARCHY_OUT": str(tmp_path)}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "tests/probe/hierarchy_check.py"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for node in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "tests/probe/hierarchy_check.py",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         for proc in nodes:
             _, err = proc.communicate(timeout=150)
@@ -73,7 +94,8 @@ def test_strategy_reports_its_allreduce(tmp_path):
 def test_smddp_implementation_without_the_library_is_a_clear_error(tmp_path):
     from tests.helpers import launch_probe
 
-    result = launch_probe("ddp", tmp_path, "--trainer.strategy", "smddp-like",
-                          "--trainer.strategy_options", "{implementation: smddp}")
+    result = launch_probe(
+        "ddp", tmp_path, "--trainer.strategy", "smddp-like", "--trainer.strategy_options", "{implementation: smddp}"
+    )
     assert result.returncode == 2, result.stderr
     assert "'smddp' needs smdistributed.dataparallel" in result.stderr

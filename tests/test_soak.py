@@ -19,8 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (KERAS_STRATEGIES, REPO, STRATEGY_OPTIONS, STRATEGY_PROCS, STRATEGY_REPLICAS, run_unifit,
-                           strategy_name)
+from tests.helpers import (
+    KERAS_STRATEGIES,
+    REPO,
+    STRATEGY_OPTIONS,
+    STRATEGY_PROCS,
+    STRATEGY_REPLICAS,
+    run_unifit,
+    strategy_name,
+)
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 30, 100, 4  # 3,000 optimizer steps on every rank
 WARMUP_EPOCHS = EPOCHS // 4  # thread pools, allocator arenas and TensorFlow's caches fill up here
@@ -50,26 +57,52 @@ KNOWN_TF_GROWTH_KB_PER_STEP = {"mirrored": 10.0, "mwms": 12.0}
 # Past this many threads a run is leaking for sure: the sampler stops it, so it fails in seconds
 MAX_THREADS = 1000
 
-SOAK_YAML = {"torch": REPO / "tests" / "probe" / "soak_torch.yaml", "keras": REPO / "tests" / "probe" / "soak_keras.yaml"}
+SOAK_YAML = {
+    "torch": REPO / "tests" / "probe" / "soak_torch.yaml",
+    "keras": REPO / "tests" / "probe" / "soak_keras.yaml",
+}
 
 
 def soak_args(variant: str, root: Path) -> list[str]:
     framework = "keras" if variant in KERAS_STRATEGIES else "torch"
     n_train = STEPS_PER_EPOCH * BATCH * STRATEGY_REPLICAS[variant]  # STEPS_PER_EPOCH on every replica
-    sampler = {"class_path": "tests.probe.soak_monitor.ResourceSampler",
-               "init_args": {"out_dir": str(root / "resources"), "max_threads": MAX_THREADS,
-                             "details_at_epoch": WARMUP_EPOCHS}}
-    return ["launch", "--nproc-per-node", str(STRATEGY_PROCS[variant]), "-c", str(SOAK_YAML[framework]),
-            "--trainer.strategy", strategy_name(variant), "--trainer.root_dir", str(root),
-            "--trainer.max_epochs", str(EPOCHS), "--trainer.batch_size", str(BATCH),
-            "--module.init_args.n_train", str(n_train), "--trainer.callbacks", json.dumps([sampler]),
-            *STRATEGY_OPTIONS.get(variant, [])]
+    sampler = {
+        "class_path": "tests.probe.soak_monitor.ResourceSampler",
+        "init_args": {
+            "out_dir": str(root / "resources"),
+            "max_threads": MAX_THREADS,
+            "details_at_epoch": WARMUP_EPOCHS,
+        },
+    }
+    return [
+        "launch",
+        "--nproc-per-node",
+        str(STRATEGY_PROCS[variant]),
+        "-c",
+        str(SOAK_YAML[framework]),
+        "--trainer.strategy",
+        strategy_name(variant),
+        "--trainer.root_dir",
+        str(root),
+        "--trainer.max_epochs",
+        str(EPOCHS),
+        "--trainer.batch_size",
+        str(BATCH),
+        "--module.init_args.n_train",
+        str(n_train),
+        "--trainer.callbacks",
+        json.dumps([sampler]),
+        *STRATEGY_OPTIONS.get(variant, []),
+    ]
 
 
 def tolerances(variant: str) -> dict[str, float]:
     known_tf = KNOWN_TF_GROWTH_KB_PER_STEP.get(variant, 0.0) * STEPS_AFTER_WARMUP / 1024
-    return {"threads": THREAD_SLACK.get(variant, THREAD_SLACK_DEFAULT), "fds": FD_SLACK,
-            "rss_mb": RSS_SLACK_MB + known_tf}
+    return {
+        "threads": THREAD_SLACK.get(variant, THREAD_SLACK_DEFAULT),
+        "fds": FD_SLACK,
+        "rss_mb": RSS_SLACK_MB + known_tf,
+    }
 
 
 def leaks(samples: list[dict], slack: dict[str, float]) -> tuple[dict, list[str]]:
@@ -77,16 +110,28 @@ def leaks(samples: list[dict], slack: dict[str, float]) -> tuple[dict, list[str]
     epochs = [s for s in samples if s["where"] == "epoch_end"]
     warm = [s for s in epochs if s["epoch"] <= WARMUP_EPOCHS]
     rest = [s for s in epochs if s["epoch"] > WARMUP_EPOCHS]
-    base = {"threads": max(s["threads"] for s in warm), "fds": max(s["fds"] for s in warm),
-            "rss_mb": warm[-1]["rss_mb"]}
-    numbers = {key: {"start": samples[0][key], "warm": base[key], "max_after": max(s[key] for s in rest),
-                     "end": epochs[-1][key]} for key in base}
+    base = {
+        "threads": max(s["threads"] for s in warm),
+        "fds": max(s["fds"] for s in warm),
+        "rss_mb": warm[-1]["rss_mb"],
+    }
+    numbers = {
+        key: {
+            "start": samples[0][key],
+            "warm": base[key],
+            "max_after": max(s[key] for s in rest),
+            "end": epochs[-1][key],
+        }
+        for key in base
+    }
     grew = []
     for key, value in base.items():
         worst = max(rest, key=lambda s: s[key])
         if worst[key] > value + slack[key]:
-            grew.append(f"{key}: {value:g} in the warm-up (epochs 1-{WARMUP_EPOCHS}) -> {worst[key]:g} after epoch "
-                        f"{worst['epoch']} (tolerance +{slack[key]:g}; {epochs[-1][key]:g} at the end)")
+            grew.append(
+                f"{key}: {value:g} in the warm-up (epochs 1-{WARMUP_EPOCHS}) -> {worst[key]:g} after epoch "
+                f"{worst['epoch']} (tolerance +{slack[key]:g}; {epochs[-1][key]:g} at the end)"
+            )
     return numbers, grew
 
 
@@ -113,27 +158,43 @@ def test_soak_threads_memory_and_files_stay_flat(variant, tmp_path):
         samples = run["samples"]
         assert samples[-1]["epoch"] == EPOCHS and samples[-1]["step"] == EPOCHS * STEPS_PER_EPOCH, samples[-1]
         numbers, grew = leaks(samples, slack)
-        report.append(f"rank {run['rank']}: " + ", ".join(
-            f"{key} {n['start']:g}/{n['warm']:g}/{n['max_after']:g}/{n['end']:g}" for key, n in numbers.items()))
+        report.append(
+            f"rank {run['rank']}: "
+            + ", ".join(
+                f"{key} {n['start']:g}/{n['warm']:g}/{n['max_after']:g}/{n['end']:g}" for key, n in numbers.items()
+            )
+        )
         failures += [f"rank {run['rank']} {g}" for g in grew]
         if grew:
             warm, end = run["details"][f"epoch_{WARMUP_EPOCHS}"], run["details"]["fit_end"]
-            failures.append(f"  threads by name after the warm-up {warm['threads']}\n  at the end {end['threads']}\n"
-                            f"  descriptors by target after the warm-up {warm['fds']}\n  at the end {end['fds']}")
+            failures.append(
+                f"  threads by name after the warm-up {warm['threads']}\n  at the end {end['threads']}\n"
+                f"  descriptors by target after the warm-up {warm['fds']}\n  at the end {end['fds']}"
+            )
     # shown with -s: where the time went, and per rank start / warm-up / largest after warm-up / end
     first = runs[0]["samples"]
-    print(f"\nsoak {variant}: {ended - started:.1f}s = start {first[0]['wall'] - started:.1f}s + training "
-          f"{first[-1]['wall'] - first[0]['wall']:.1f}s + end {ended - first[-1]['wall']:.1f}s; " + "; ".join(report))
+    print(
+        f"\nsoak {variant}: {ended - started:.1f}s = start {first[0]['wall'] - started:.1f}s + training "
+        f"{first[-1]['wall'] - first[0]['wall']:.1f}s + end {ended - first[-1]['wall']:.1f}s; " + "; ".join(report)
+    )
     assert not failures, f"{variant} leaks after the warm-up:\n" + "\n".join(failures)
 
 
 def test_the_check_flags_one_thread_or_descriptor_per_epoch_and_a_slow_rss_leak():
     """The checker itself, on made-up samples: flat passes, small steady leaks fail."""
+
     def run(threads_per_epoch=0, fds_per_epoch=0, kb_per_step=0.0, dip_at=(10, 20)):
         samples = [{"where": "fit_start", "epoch": 0, "threads": 5, "fds": 9, "rss_mb": 500.0}]
         for e in range(1, EPOCHS + 1):
-            samples.append({"where": "epoch_end", "epoch": e, "threads": 20 + threads_per_epoch * e - 3 * (e in dip_at),
-                            "fds": 12 + fds_per_epoch * e, "rss_mb": 600.0 + kb_per_step * STEPS_PER_EPOCH * e / 1024})
+            samples.append(
+                {
+                    "where": "epoch_end",
+                    "epoch": e,
+                    "threads": 20 + threads_per_epoch * e - 3 * (e in dip_at),
+                    "fds": 12 + fds_per_epoch * e,
+                    "rss_mb": 600.0 + kb_per_step * STEPS_PER_EPOCH * e / 1024,
+                }
+            )
         return leaks(samples, tolerances("ddp"))[1]
 
     assert run() == []

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import KERAS_PROBE_YAML, PROBE_YAML, REPO
+from tests.helpers import PROBE_YAML, REPO
 from unifit.callbacks.base import Callback
 
 WIDTH, HEIGHT = 200, 50
@@ -35,8 +35,9 @@ EPOCHS = 2
 BAR = re.compile(r"epoch \d+/\d+:\s+\d+%\|")
 SUMMARY = re.compile(r"epoch (\d+)/(\d+)  step \d+  ")
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
-                                reason="tmux is not installed (apt-get install -y tmux); terminal checks skipped")
+pytestmark = pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (apt-get install -y tmux); terminal checks skipped"
+)
 
 
 class Pace(Callback):
@@ -51,10 +52,24 @@ class Pace(Callback):
 
 def _unifit(*args: str) -> list[str]:
     pace = {"class_path": "tests.test_terminal.Pace", "init_args": {"seconds": 0.25}}
-    return [sys.executable, "-m", "unifit", *args,
-            "--trainer.max_epochs", str(EPOCHS), "--trainer.batch_size", "4",
-            "--trainer.progress_bar", "true", "--trainer.tensorboard.enabled", "false",
-            "--trainer.checkpoint.enabled", "false", "--trainer.callbacks", json.dumps([pace])]
+    return [
+        sys.executable,
+        "-m",
+        "unifit",
+        *args,
+        "--trainer.max_epochs",
+        str(EPOCHS),
+        "--trainer.batch_size",
+        "4",
+        "--trainer.progress_bar",
+        "true",
+        "--trainer.tensorboard.enabled",
+        "false",
+        "--trainer.checkpoint.enabled",
+        "false",
+        "--trainer.callbacks",
+        json.dumps([pace]),
+    ]
 
 
 def _launch(strategy: str, yaml: Path) -> list[str]:
@@ -84,13 +99,27 @@ class Panes:
 
     def tmux(self, *args: str, check: bool = True) -> str:
         env = {k: v for k, v in os.environ.items() if k != "TMUX"}  # a tmux of our own, even inside one
-        return subprocess.run(["tmux", "-S", str(self.socket), "-f", "/dev/null", *args], capture_output=True, text=True,
-                              check=check, timeout=20, env=env).stdout
+        return subprocess.run(
+            ["tmux", "-S", str(self.socket), "-f", "/dev/null", *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=20,
+            env=env,
+        ).stdout
 
     def start(self, name: str, command: list[str], tail: str = "") -> None:
         root = self.root / name
-        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TERM": "xterm-256color", "COLUMNS": None,
-               "LINES": None, "UNIFIT_TTY": None, "UNIFIT_TTY_HOST": None, "UNIFIT_TTY_STDOUT": None}
+        env = {
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "TERM": "xterm-256color",
+            "COLUMNS": None,
+            "LINES": None,
+            "UNIFIT_TTY": None,
+            "UNIFIT_TTY_HOST": None,
+            "UNIFIT_TTY_STDOUT": None,
+        }
         exports = " ".join(f"unset {k};" if v is None else f"export {k}={shlex.quote(v)};" for k, v in env.items())
         run = shlex.join([*command, "--trainer.root_dir", str(root)])
         # the pipe's exit status is unifit's, not cat's
@@ -128,8 +157,11 @@ class Panes:
 @pytest.fixture(scope="module")
 def panes(request, tmp_path_factory):
     """Every scenario this run selected, started side by side (the slowest one sets the pace)."""
-    wanted = [item.callspec.params["scenario"] for item in request.session.items
-              if item.module is request.module and hasattr(item, "callspec")]
+    wanted = [
+        item.callspec.params["scenario"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
     p = Panes(tmp_path_factory.mktemp("terminal"))
     try:
         for name in dict.fromkeys(wanted):
@@ -172,8 +204,9 @@ def test_one_bar_on_rank_zero_and_every_epoch_line_kept(panes, scenario):
 
     # at the end: each epoch's summary once, on a line of its own, the final line, no bar left
     summaries = [line for line in final if SUMMARY.search(line)]
-    assert [SUMMARY.match(line).groups() for line in summaries] == [(str(e), str(EPOCHS)) for e in
-                                                                     range(1, EPOCHS + 1)], shown
+    assert [SUMMARY.match(line).groups() for line in summaries] == [
+        (str(e), str(EPOCHS)) for e in range(1, EPOCHS + 1)
+    ], shown
     assert all(line.count("epoch ") == 1 and "%|" not in line for line in summaries), shown
     assert sum(line.startswith("final metrics: ") for line in final) == 1, shown
     assert sum(line.startswith("unifit: strategy ") for line in final) == 1, shown

@@ -40,8 +40,14 @@ class LRProbe(ProbeModule):
 
 
 def _trainer(tmp_path, **kw):
-    base = dict(max_epochs=2, batch_size=8, root_dir=str(tmp_path), progress_bar=False,
-                tensorboard={"enabled": False}, checkpoint={"enabled": False})
+    base = dict(
+        max_epochs=2,
+        batch_size=8,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        tensorboard={"enabled": False},
+        checkpoint={"enabled": False},
+    )
     return unifit.Trainer(**{**base, **kw})
 
 
@@ -91,22 +97,29 @@ def test_accumulation_counts_in_the_global_batch_for_lr_scaling(tmp_path):
 def test_gradient_clipping_bounds_each_update(tmp_path):
     module = LRProbe(lr=1.0, dropout=0.0)
     before = torch.cat([p.detach().clone().ravel() for p in module.parameters()])
-    _trainer(tmp_path, max_epochs=1, limit_train_batches=1, lr_scaling="none", gradient_clip_val=0.01,
-             limit_val_batches=0).fit(module)
+    _trainer(
+        tmp_path, max_epochs=1, limit_train_batches=1, lr_scaling="none", gradient_clip_val=0.01, limit_val_batches=0
+    ).fit(module)
     after = torch.cat([p.detach().ravel() for p in module.parameters()])
     assert 0 < float((after - before).norm()) <= 0.01 + 1e-7
 
 
 def test_early_stopping_stops_every_rank_on_a_flat_metric(tmp_path):
-    state = _trainer(tmp_path, max_epochs=20, early_stopping={"monitor": "val/index_mean", "patience": 2},
-                     checkpoint={"enabled": True}).fit(ProbeModule())
+    state = _trainer(
+        tmp_path,
+        max_epochs=20,
+        early_stopping={"monitor": "val/index_mean", "patience": 2},
+        checkpoint={"enabled": True},
+    ).fit(ProbeModule())
     assert state.epoch == 3 and state.should_stop
     assert "val/index_mean did not improve for 2 epochs" in state.stop_reason
     assert (tmp_path / "checkpoints" / "epoch=0003-step=0000024").is_dir()  # the stopping epoch is saved
 
 
 def test_monitor_of_an_unlogged_metric_names_the_logged_ones(tmp_path):
-    with pytest.raises(unifit.ConfigError, match=r"early_stopping.monitor: 'val/acc' was not logged; logged metrics: .*val/loss"):
+    with pytest.raises(
+        unifit.ConfigError, match=r"early_stopping.monitor: 'val/acc' was not logged; logged metrics: .*val/loss"
+    ):
         _trainer(tmp_path, early_stopping={"monitor": "val/acc"}).fit(ProbeModule())
 
 
@@ -127,23 +140,37 @@ for _event in Event:  # make the dispatcher see every hook as overridden
 
 def test_event_order_is_pinned(tmp_path):
     recorder = Recorder()
-    _trainer(tmp_path, max_epochs=2, limit_train_batches=2, validate_every_n_epochs=2,
-             callbacks=[recorder]).fit(ProbeModule())
-    epoch = ["train_epoch_start", "train_batch_start:0", "train_batch_end", "train_batch_start:1",
-             "train_batch_end", "train_epoch_end"]
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=2, validate_every_n_epochs=2, callbacks=[recorder]).fit(
+        ProbeModule()
+    )
+    epoch = [
+        "train_epoch_start",
+        "train_batch_start:0",
+        "train_batch_end",
+        "train_batch_start:1",
+        "train_batch_end",
+        "train_epoch_end",
+    ]
     assert recorder.events == [
-        "setup", "fit_start",
-        *epoch, "epoch_end",
-        *epoch, "validation_start", "validation_end", "epoch_end",
-        "fit_end", "teardown",
+        "setup",
+        "fit_start",
+        *epoch,
+        "epoch_end",
+        *epoch,
+        "validation_start",
+        "validation_end",
+        "epoch_end",
+        "fit_end",
+        "teardown",
     ]
 
 
 def test_exception_event_replaces_fit_end(tmp_path):
     recorder = Recorder()
     with pytest.raises(unifit.UnifitError, match="non-finite"):
-        _trainer(tmp_path, max_epochs=1, limit_train_batches=2, callbacks=[recorder],
-                 nan_guard={"check_every_n_steps": 1}).fit(ProbeModule(nan_at_step=2))
+        _trainer(
+            tmp_path, max_epochs=1, limit_train_batches=2, callbacks=[recorder], nan_guard={"check_every_n_steps": 1}
+        ).fit(ProbeModule(nan_at_step=2))
     assert recorder.events[-2:] == ["exception", "teardown"]
     assert "fit_end" not in recorder.events
 

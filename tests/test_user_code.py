@@ -17,8 +17,9 @@ L = pytest.importorskip("lightning")
 
 
 def _options(tmp_path) -> dict:
-    return dict(root_dir=str(tmp_path), progress_bar=False, tensorboard={"enabled": False},
-                checkpoint={"enabled": False})
+    return dict(
+        root_dir=str(tmp_path), progress_bar=False, tensorboard={"enabled": False}, checkpoint={"enabled": False}
+    )
 
 
 def test_an_unchanged_boring_model_trains_with_its_dataloaders_batch_size(tmp_path, capsys):
@@ -37,8 +38,10 @@ def test_an_unchanged_boring_model_trains_with_its_dataloaders_batch_size(tmp_pa
 def test_a_weighted_sampler_is_drawn_once_and_split_between_ranks(world):
     weights = torch.rand(50, generator=torch.Generator().manual_seed(0))
     user = WeightedRandomSampler(weights, num_samples=50, replacement=True)
-    shards = [ShardedUserSampler(user, "train_dataloader()", world_size=world, rank=r, seed=7, train=True)
-              for r in range(world)]
+    shards = [
+        ShardedUserSampler(user, "train_dataloader()", world_size=world, rank=r, seed=7, train=True)
+        for r in range(world)
+    ]
     drawn = [list(s) for s in shards]
     assert all(len(d) == len(shards[0]) == -(-50 // world) for d in drawn)  # equal shares: equal step counts
     single = list(ShardedUserSampler(user, "x", world_size=1, rank=0, seed=7, train=True))
@@ -55,14 +58,31 @@ def test_a_weighted_sampler_is_drawn_once_and_split_between_ranks(world):
 
 def test_a_batch_sampler_keeps_its_batches_whole_and_disjoint():
     user = BatchSampler(RandomSampler(range(40)), batch_size=4, drop_last=False)
-    shards = [ShardedBatchSampler(user, "train_dataloader()", world_size=3, rank=r, seed=1, train=True) for r in range(3)]
+    shards = [
+        ShardedBatchSampler(user, "train_dataloader()", world_size=3, rank=r, seed=1, train=True) for r in range(3)
+    ]
     batches = [list(s) for s in shards]
     assert all(len(b) == len(user) // 3 == 3 for b in batches)  # 10 batches over 3 ranks: 3 each, one unused
     flat = [i for rank in batches for batch in rank for i in batch]
     assert len(flat) == len(set(flat)) == 36 and all(len(batch) == 4 for rank in batches for batch in rank)
-    evaluation = [ShardedBatchSampler(BatchSampler(SequentialSampler(range(40)), 4, False), "val_dataloader()",
-                                      world_size=3, rank=r, seed=1, train=False) for r in range(3)]
+    evaluation = [
+        ShardedBatchSampler(
+            BatchSampler(SequentialSampler(range(40)), 4, False),
+            "val_dataloader()",
+            world_size=3,
+            rank=r,
+            seed=1,
+            train=False,
+        )
+        for r in range(3)
+    ]
     assert sorted(i for s in evaluation for b in s for i in b) == list(range(40))  # evaluation: every sample once
     with pytest.raises(ConfigError, match="gives 2 batches per epoch, fewer than the 3 ranks"):
-        ShardedBatchSampler(BatchSampler(SequentialSampler(range(8)), 4, False), "train_dataloader()", world_size=3,
-                            rank=0, seed=1, train=True)
+        ShardedBatchSampler(
+            BatchSampler(SequentialSampler(range(8)), 4, False),
+            "train_dataloader()",
+            world_size=3,
+            rank=0,
+            seed=1,
+            train=True,
+        )

@@ -30,14 +30,20 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("seconds, stuck", [(3.0, True), (0.1, False)])
 def test_watchdog_ends_only_a_stuck_process(seconds, stuck):
-    result = subprocess.run([sys.executable, "-c", SCRIPT, "barrier 'x' on rank 1", str(seconds)], cwd=REPO,
-                            capture_output=True, text=True, timeout=20)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "barrier 'x' on rank 1", str(seconds)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert "survived" in result.stdout
     if stuck:
         assert result.returncode == 1 and "finished" not in result.stdout
         assert result.stderr.strip() == (
             "unifit: error (rank 1): barrier 'x' on rank 1 did not finish within trainer.collective_timeout_s=0.5s; "
             "another rank failed, or did not join it (every rank must call the same collectives, e.g. do not call "
-            "save_checkpoint inside 'if rank == 0')")
+            "save_checkpoint inside 'if rank == 0')"
+        )
     else:
         assert result.returncode == 0 and "finished" in result.stdout, result.stderr

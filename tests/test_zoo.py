@@ -60,8 +60,14 @@ def zoo(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> Zoo:
         world = 1 if strategy == "single" else 2
         driver = [DRIVER, "--out", str(out), "--precisions", precisions, *extra]
         if strategy == "single":  # the script as a user runs it: python, no launcher
-            result = subprocess.run([sys.executable, *driver], cwd=REPO, capture_output=True, text=True, timeout=420,
-                                    env={**os.environ, "OMP_NUM_THREADS": "2"})
+            result = subprocess.run(
+                [sys.executable, *driver],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=420,
+                env={**os.environ, "OMP_NUM_THREADS": "2"},
+            )
         else:
             result = run_unifit("launch", "--nproc-per-node", "2", "--strategy", strategy, "--", *driver, timeout=420)
         assert_ok(result)
@@ -78,7 +84,7 @@ def _max_diff(a: dict, b: dict, skip_buffers: bool = False) -> float:
 def _step_losses(record: dict, micro: int) -> list[float]:
     """Each optimizer step's loss: the mean of its micro-batches."""
     losses = record["losses"]
-    return [sum(losses[i:i + micro]) / micro for i in range(0, len(losses), micro)]
+    return [sum(losses[i : i + micro]) / micro for i in range(0, len(losses), micro)]
 
 
 def _expected_refusal(strategy: str, precision: str, model: str) -> str | None:
@@ -102,7 +108,8 @@ def test_every_model_trains_or_is_refused_in_one_line(strategy, tmp_path_factory
                 assert "error" not in record, (strategy, model, precision, rank, record)
                 assert record["losses"] and all(math.isfinite(x) for x in record["losses"]), (model, precision)
                 assert record["digest"] == z.ranks[0][f"{model}/{precision}/unifit"]["digest"], (
-                    f"{strategy} {model} {precision}: rank {rank} ends with another model than rank 0")
+                    f"{strategy} {model} {precision}: rank {rank} ends with another model than rank 0"
+                )
 
 
 @pytest.mark.timeout(900)
@@ -137,8 +144,12 @@ def test_ddp_takes_the_steps_of_one_process_accumulating(tmp_path_factory):
         if model in BATCH_NORM or model == "lstm":  # per-batch statistics / a hidden state carried per rank
             continue
         one = _step_losses(single.record(model, "32-true"), 2)
-        two = [(a + b) / 2 for a, b in zip(ddp.record(model, "32-true", rank=0)["losses"],
-                                            ddp.record(model, "32-true", rank=1)["losses"])]
+        two = [
+            (a + b) / 2
+            for a, b in zip(
+                ddp.record(model, "32-true", rank=0)["losses"], ddp.record(model, "32-true", rank=1)["losses"]
+            )
+        ]
         assert len(one) == len(two), model
         for step, (a, b) in enumerate(zip(one[:EARLY_STEPS], two[:EARLY_STEPS])):
             assert a == pytest.approx(b, abs=1e-4), f"{model}: step {step} loss {a} (single) vs {b} (ddp)"

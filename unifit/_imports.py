@@ -40,9 +40,7 @@ def load_object(path: str, *, field: str) -> Any:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ConfigError(
-            f"{field}: received '{path}', expected a dotted path like 'package.module.ClassName'"
-        )
+        raise ConfigError(f"{field}: received '{path}', expected a dotted path like 'package.module.ClassName'")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -50,7 +48,8 @@ def load_object(path: str, *, field: str) -> Any:
         if root in _EXTRA_FOR_PACKAGE and not module_name.startswith(root):
             raise MissingExtraError(
                 f"{field}: '{path}' needs the Python package '{root}', which is not installed; "
-                f"fix: pip install 'unifit[{_EXTRA_FOR_PACKAGE[root]}]'") from exc
+                f"fix: pip install 'unifit[{_EXTRA_FOR_PACKAGE[root]}]'"
+            ) from exc
         if exc.name and module_name.startswith(exc.name):
             raise ConfigError(
                 f"{field}: received '{path}', but module '{exc.name}' was not found; "
@@ -60,6 +59,4 @@ def load_object(path: str, *, field: str) -> Any:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ConfigError(
-            f"{field}: received '{path}', but module '{module_name}' has no attribute '{attr}'"
-        ) from None
+        raise ConfigError(f"{field}: received '{path}', but module '{module_name}' has no attribute '{attr}'") from None

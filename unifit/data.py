@@ -38,8 +38,10 @@ class FileShards:
     def for_rank(self, rank: int, world_size: int) -> Any:
         fs, found = self.files()
         if len(found) < world_size:
-            raise ConfigError(f"data: {len(found)} files ({self.spec!r}) cannot be split over {world_size} ranks; "
-                              "provide at least one file per rank")
+            raise ConfigError(
+                f"data: {len(found)} files ({self.spec!r}) cannot be split over {world_size} ranks; "
+                "provide at least one file per rank"
+            )
         return self.load(fs, found[rank::world_size])
 
     def load(self, fs: Any, paths: list[str]) -> Any:
@@ -49,8 +51,12 @@ class FileShards:
 class NpzShards(FileShards):
     """.npz files holding the same arrays (default x and y); one rank's files concatenated."""
 
-    def __init__(self, files: str | Sequence[str], keys: Sequence[str] = ("x", "y"),
-                 storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        keys: Sequence[str] = ("x", "y"),
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(files, storage_options)
         self.keys = tuple(keys)
 
@@ -59,14 +65,21 @@ class NpzShards(FileShards):
         try:
             return tuple(np.concatenate([part[k] for part in parts]) for k in self.keys)
         except KeyError as exc:
-            raise ConfigError(f"data: a file in {self.spec!r} has no array {exc}; expected keys {list(self.keys)}") from None
+            raise ConfigError(
+                f"data: a file in {self.spec!r} has no array {exc}; expected keys {list(self.keys)}"
+            ) from None
 
 
 class NpzFilesData:
     """A data provider for the YAML `data:` section: train/val .npz files sharded by file."""
 
-    def __init__(self, train: str | Sequence[str], val: str | Sequence[str] | None = None,
-                 keys: Sequence[str] = ("x", "y"), storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        train: str | Sequence[str],
+        val: str | Sequence[str] | None = None,
+        keys: Sequence[str] = ("x", "y"),
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         self.train = NpzShards(train, keys, storage_options)
         self.val = NpzShards(val, keys, storage_options) if val is not None else None
 

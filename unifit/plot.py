@@ -66,8 +66,10 @@ def read_run(url: str, label: str | None = None, storage_options: dict[str, Any]
         if not fs.exists(root):
             raise ConfigError(f"unifit plot: run directory '{url}' does not exist; pass a run's trainer.root_dir")
         if not fs.exists(path):
-            raise ConfigError(f"unifit plot: '{shown}' not found: '{url}' is not a unifit run directory "
-                              "(trainer.root_dir), or no epoch has finished there yet")
+            raise ConfigError(
+                f"unifit plot: '{shown}' not found: '{url}' is not a unifit run directory "
+                "(trainer.root_dir), or no epoch has finished there yet"
+            )
         text = fs.cat_file(path).decode("utf-8", errors="replace")
     except ConfigError:
         raise
@@ -80,10 +82,13 @@ def read_run(url: str, label: str | None = None, storage_options: dict[str, Any]
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"unifit plot: '{shown}' line {number} is not JSON ({exc.msg}); "
-                              "is it a unifit metrics file?") from None
+            raise ConfigError(
+                f"unifit plot: '{shown}' line {number} is not JSON ({exc.msg}); is it a unifit metrics file?"
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ConfigError(f"unifit plot: '{shown}' line {number} has no integer 'step'; is it a unifit metrics file?")
+            raise ConfigError(
+                f"unifit plot: '{shown}' line {number} has no integer 'step'; is it a unifit metrics file?"
+            )
         records.append(record)
     if not records:
         raise ConfigError(f"unifit plot: '{shown}' is empty: no epoch of that run has finished yet")
@@ -105,8 +110,11 @@ def _elapsed(fs: Any, root: str, records: list[dict[str, Any]]) -> list[float | 
         return [None] * len(records)
     start, times = None, []
     for record in records:
-        match = max((e for e in events if e[2] == record["step"] and _same_values(e[3], record)),
-                    key=lambda e: e[1], default=None)  # a step logged twice (resumed run): the latest
+        match = max(
+            (e for e in events if e[2] == record["step"] and _same_values(e[3], record)),
+            key=lambda e: e[1],
+            default=None,
+        )  # a step logged twice (resumed run): the latest
         if match is not None and start is None:
             start = match[0]  # the start of the file holding the first epoch: when training began
         times.append(None if match is None or start is None else match[1] - start)
@@ -116,8 +124,12 @@ def _elapsed(fs: Any, root: str, records: list[dict[str, Any]]) -> list[float | 
 def _same_values(scalars: dict[str, float], record: dict[str, Any]) -> bool:
     """The event was written at this record's epoch end, by this run: its scalars (float32) are the record's."""
     common = [k for k in scalars if _number(record.get(k)) is not None]
-    return bool(common) and all(math.isclose(scalars[k], record[k], rel_tol=1e-5, abs_tol=1e-6)
-                                or math.isnan(scalars[k]) and math.isnan(record[k]) for k in common)
+    return bool(common) and all(
+        math.isclose(scalars[k], record[k], rel_tol=1e-5, abs_tol=1e-6)
+        or math.isnan(scalars[k])
+        and math.isnan(record[k])
+        for k in common
+    )
 
 
 def _event_dirs(fs: Any, root: str) -> list[str]:
@@ -159,7 +171,7 @@ def _epoch_events(fs: Any, root: str) -> list[tuple[float, float, int, dict[str,
             data, offset, file_start = place_fs.cat_file(name), 0, None
             while offset + 12 <= len(data):
                 (length,) = struct.unpack_from("<Q", data, offset)
-                event = Event.FromString(data[offset + 12: offset + 12 + length])
+                event = Event.FromString(data[offset + 12 : offset + 12 + length])
                 offset += 12 + length + 4
                 file_start = event.wall_time if file_start is None else file_start
                 scalars = {v.tag: v.simple_value for v in event.summary.value}
@@ -194,7 +206,10 @@ def panels(runs: Sequence[Run]) -> list[tuple[str, list[str]]]:
             return (1, title)
         return (2, title) if title == "lr" else (3, title) if title.startswith("throughput") else (4, title)
 
-    return [(title, sorted(groups[title], key=lambda k: (not k.startswith("train/"), k))) for title in sorted(groups, key=order)]
+    return [
+        (title, sorted(groups[title], key=lambda k: (not k.startswith("train/"), k)))
+        for title in sorted(groups, key=order)
+    ]
 
 
 def _number(value: Any) -> float | None:
@@ -212,14 +227,16 @@ def _time_unit(runs: Sequence[Run]) -> tuple[str, float]:
     return ("h", 3600.0) if longest > 3 * 3600 else ("min", 60.0) if longest > 600 else ("s", 1.0)
 
 
-def render(runs: Sequence[Run], *, width_px: int | None = None, height_px: int | None = None, dpi: int = 100,
-           fmt: str = "png") -> bytes:
+def render(
+    runs: Sequence[Run], *, width_px: int | None = None, height_px: int | None = None, dpi: int = 100, fmt: str = "png"
+) -> bytes:
     """The figure as PNG/SVG/PDF bytes, exactly width_px x height_px (defaults follow the rows)."""
     try:
         import matplotlib
     except ImportError as exc:
-        raise MissingExtraError(f"unifit plot needs matplotlib, which is not importable ({exc}); "
-                                "fix: pip install 'unifit[plot]'") from exc
+        raise MissingExtraError(
+            f"unifit plot needs matplotlib, which is not importable ({exc}); fix: pip install 'unifit[plot]'"
+        ) from exc
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -239,8 +256,11 @@ def render(runs: Sequence[Run], *, width_px: int | None = None, height_px: int |
             for index, run in enumerate(runs):
                 color = colors[index % len(colors)]
                 for key in keys:
-                    points = [(r["step"] if column == 0 else t / scale, _number(r.get(key)))
-                              for r, t in zip(run.records, run.elapsed) if column == 0 or t is not None]
+                    points = [
+                        (r["step"] if column == 0 else t / scale, _number(r.get(key)))
+                        for r, t in zip(run.records, run.elapsed)
+                        if column == 0 or t is not None
+                    ]
                     points = [(x, y) for x, y in points if y is not None]
                     if points:
                         xs, ys = zip(*points)
@@ -252,10 +272,14 @@ def render(runs: Sequence[Run], *, width_px: int | None = None, height_px: int |
             ax.set_xlim(left=0)
             if row == len(rows) - 1:
                 ax.set_xlabel("step" if column == 0 else f"wall time ({unit})", fontsize=9)
-    handles = [Line2D([], [], color=colors[i % len(colors)], linewidth=2, label=run.label) for i, run in enumerate(runs)]
+    handles = [
+        Line2D([], [], color=colors[i % len(colors)], linewidth=2, label=run.label) for i, run in enumerate(runs)
+    ]
     if any(k.startswith("val/") for _, keys in rows for k in keys):
-        handles += [Line2D([], [], color="black", linestyle="-", label="train"),
-                    Line2D([], [], color="black", linestyle="--", label="val")]
+        handles += [
+            Line2D([], [], color="black", linestyle="-", label="train"),
+            Line2D([], [], color="black", linestyle="--", label="val"),
+        ]
     fig.legend(handles=handles, loc="outside upper center", ncols=min(len(handles), 6), fontsize=9, frameon=False)
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=dpi)
@@ -274,48 +298,72 @@ def render_html(runs: Sequence[Run], png: bytes) -> bytes:
             values = [v for v in (_number(r.get(key)) for r in run.records) if v is not None and not math.isnan(v)]
             best = (min if "loss" in key else max)(values) if values and key.startswith("val/") else None
             value = _number(last.get(key))
-            cells.append(f"<td>{'' if value is None else f'{value:.4g}'}"
-                         f"{'' if best is None else f' (best {best:.4g})'}</td>")
-        body.append(f"<tr><td>{html.escape(run.label)}</td><td>{html.escape(run.url)}</td>"
-                    f"<td>{last.get('epoch', '')}</td><td>{last['step']}</td>{''.join(cells)}</tr>")
+            cells.append(
+                f"<td>{'' if value is None else f'{value:.4g}'}{'' if best is None else f' (best {best:.4g})'}</td>"
+            )
+        body.append(
+            f"<tr><td>{html.escape(run.label)}</td><td>{html.escape(run.url)}</td>"
+            f"<td>{last.get('epoch', '')}</td><td>{last['step']}</td>{''.join(cells)}</tr>"
+        )
     image = base64.b64encode(png).decode()
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>unifit runs</title>"
-            "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}</style></head><body>"
-            f"<h1>unifit runs</h1><img alt='training curves' src='data:image/png;base64,{image}'>"
-            f"<h2>Last epoch (best validation value)</h2><table><tr><th>run</th><th>directory</th><th>epoch</th>"
-            f"<th>step</th>{head}</tr>{''.join(body)}</table></body></html>\n").encode()
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>unifit runs</title>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}</style></head><body>"
+        f"<h1>unifit runs</h1><img alt='training curves' src='data:image/png;base64,{image}'>"
+        f"<h2>Last epoch (best validation value)</h2><table><tr><th>run</th><th>directory</th><th>epoch</th>"
+        f"<th>step</th>{head}</tr>{''.join(body)}</table></body></html>\n"
+    ).encode()
 
 
 # ---- the command ------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.root_dir): paths or URLs")
-    parser.add_argument("-o", "--output", default="curves.png", help="output file: .png, .svg, .pdf or .html (default curves.png)")
-    parser.add_argument("--label", action="append", default=None, help="a run's label, once per RUN_DIR in order (default: its directory name)")
-    parser.add_argument("--size", default=None, help="image size in pixels, WIDTHxHEIGHT (default 1400 wide, 260 per row)")
+    parser.add_argument(
+        "-o", "--output", default="curves.png", help="output file: .png, .svg, .pdf or .html (default curves.png)"
+    )
+    parser.add_argument(
+        "--label",
+        action="append",
+        default=None,
+        help="a run's label, once per RUN_DIR in order (default: its directory name)",
+    )
+    parser.add_argument(
+        "--size", default=None, help="image size in pixels, WIDTHxHEIGHT (default 1400 wide, 260 per row)"
+    )
     parser.add_argument("--dpi", type=int, default=100)
-    parser.add_argument("--storage-options", default="{}", help="fsspec options as YAML/JSON, e.g. '{endpoint_url: http://...}'")
+    parser.add_argument(
+        "--storage-options", default="{}", help="fsspec options as YAML/JSON, e.g. '{endpoint_url: http://...}'"
+    )
 
 
 def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    import yaml
+
     from unifit.storage import filesystem
     from unifit.trainer.loading import parse_yaml
-
-    import yaml
 
     try:
         options = parse_yaml(args.storage_options) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"unifit plot: --storage-options {args.storage_options!r} is not YAML/JSON: {first_line(exc)}") from None
+        raise ConfigError(
+            f"unifit plot: --storage-options {args.storage_options!r} is not YAML/JSON: {first_line(exc)}"
+        ) from None
     if extra or not isinstance(options, dict):
-        raise ConfigError(f"unifit plot: unexpected arguments {list(extra) or args.storage_options!r}; usage: "
-                          "unifit plot RUN_DIR [RUN_DIR ...] [-o curves.png] [--label L ...] [--size WxH] [--storage-options '{...}']")
+        raise ConfigError(
+            f"unifit plot: unexpected arguments {list(extra) or args.storage_options!r}; usage: "
+            "unifit plot RUN_DIR [RUN_DIR ...] [-o curves.png] [--label L ...] [--size WxH] [--storage-options '{...}']"
+        )
     if args.label is not None and len(args.label) != len(args.runs):
-        raise ConfigError(f"unifit plot: {len(args.label)} --label for {len(args.runs)} run directories; "
-                          "give one --label per RUN_DIR, or none")
+        raise ConfigError(
+            f"unifit plot: {len(args.label)} --label for {len(args.runs)} run directories; "
+            "give one --label per RUN_DIR, or none"
+        )
     fmt = os.path.splitext(args.output)[1].lower()
     if fmt not in _FORMATS:
-        raise ConfigError(f"unifit plot: -o '{args.output}': unknown format; end the name with {', '.join(sorted(_FORMATS))}")
+        raise ConfigError(
+            f"unifit plot: -o '{args.output}': unknown format; end the name with {', '.join(sorted(_FORMATS))}"
+        )
     width = height = None
     if args.size:
         try:
@@ -337,9 +385,13 @@ def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
             fs.makedirs(parent, exist_ok=True)
         fs.pipe_file(path, data)
     except Exception as exc:
-        raise ConfigError(f"unifit plot: cannot write '{args.output}': {type(exc).__name__}: {first_line(exc)}") from None
+        raise ConfigError(
+            f"unifit plot: cannot write '{args.output}': {type(exc).__name__}: {first_line(exc)}"
+        ) from None
     untimed = [run.label for run in runs if not run.has_time]
-    note = f"; no wall time for {', '.join(untimed)} (no TensorBoard event files in the run directory)" if untimed else ""
+    note = (
+        f"; no wall time for {', '.join(untimed)} (no TensorBoard event files in the run directory)" if untimed else ""
+    )
     print(f"unifit: wrote {args.output} ({len(runs)} run{'s' * (len(runs) > 1)}){note}", flush=True)
     return 0
 

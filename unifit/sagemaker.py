@@ -42,7 +42,7 @@ class SageMakerEnvironment:
     checkpoint_dir: str | None = None
 
     @classmethod
-    def detect(cls, env: Mapping[str, str] | None = None) -> "SageMakerEnvironment | None":
+    def detect(cls, env: Mapping[str, str] | None = None) -> SageMakerEnvironment | None:
         env = os.environ if env is None else env
         if "SM_HOSTS" not in env:
             return None
@@ -50,12 +50,18 @@ class SageMakerEnvironment:
         current = env.get("SM_CURRENT_HOST", "")
         if current not in hosts:
             raise ConfigError(f"SM_CURRENT_HOST: received {current!r}, which is not in SM_HOSTS {hosts}")
-        channels = {k[len("SM_CHANNEL_"):].lower(): v for k, v in env.items() if k.startswith("SM_CHANNEL_")}
+        channels = {k[len("SM_CHANNEL_") :].lower(): v for k, v in env.items() if k.startswith("SM_CHANNEL_")}
         checkpoints = env.get("UNIFIT_SM_CHECKPOINT_DIR", SPOT_CHECKPOINT_DIR)
-        return cls(hosts=hosts, current_host=current, num_gpus=int(env.get("SM_NUM_GPUS") or 0),
-                   num_cpus=int(env.get("SM_NUM_CPUS") or 1), model_dir=env.get("SM_MODEL_DIR"),
-                   output_data_dir=env.get("SM_OUTPUT_DATA_DIR"), channels=channels,
-                   checkpoint_dir=checkpoints if os.path.isdir(checkpoints) else None)
+        return cls(
+            hosts=hosts,
+            current_host=current,
+            num_gpus=int(env.get("SM_NUM_GPUS") or 0),
+            num_cpus=int(env.get("SM_NUM_CPUS") or 1),
+            model_dir=env.get("SM_MODEL_DIR"),
+            output_data_dir=env.get("SM_OUTPUT_DATA_DIR"),
+            channels=channels,
+            checkpoint_dir=checkpoints if os.path.isdir(checkpoints) else None,
+        )
 
     @property
     def node_rank(self) -> int:
@@ -64,7 +70,7 @@ class SageMakerEnvironment:
     def overrides(self, config: dict[str, Any]) -> dict[str, str]:
         """Dotted overrides that map SageMaker's locations onto the experiment `config`."""
         out: dict[str, str] = {}
-        data_args = ((config.get("data") or {}).get("init_args") or {})
+        data_args = (config.get("data") or {}).get("init_args") or {}
         for name, path in sorted(self.channels.items()):
             if name in data_args:
                 out[f"data.init_args.{name}"] = json.dumps(_in_channel(data_args[name], path))
@@ -78,9 +84,11 @@ class SageMakerEnvironment:
             out["trainer.checkpoint.dir"] = self.checkpoint_dir
             if not trainer.get("resume"):
                 out["trainer.resume"] = "auto"
-        locations = {"trainer.root_dir": trainer.get("root_dir", "runs/default"),
-                     "trainer.checkpoint.dir": (trainer.get("checkpoint") or {}).get("dir"),
-                     "trainer.tensorboard.log_dir": (trainer.get("tensorboard") or {}).get("log_dir")}
+        locations = {
+            "trainer.root_dir": trainer.get("root_dir", "runs/default"),
+            "trainer.checkpoint.dir": (trainer.get("checkpoint") or {}).get("dir"),
+            "trainer.tensorboard.log_dir": (trainer.get("tensorboard") or {}).get("log_dir"),
+        }
         for key, path in locations.items():
             if key in out:
                 continue
@@ -134,8 +142,10 @@ def _main(argv: list[str]) -> int:
     args, extra = parser.parse_known_args(argv)
     sm = SageMakerEnvironment.detect()
     if sm is None:
-        raise ConfigError("unifit.sagemaker: SM_HOSTS is not set; this entry point runs inside SageMaker "
-                          "(or its local training toolkit); elsewhere use `unifit fit` / `unifit launch`")
+        raise ConfigError(
+            "unifit.sagemaker: SM_HOSTS is not set; this entry point runs inside SageMaker "
+            "(or its local training toolkit); elsewhere use `unifit fit` / `unifit launch`"
+        )
     overrides = cli.parse_overrides(extra)
     overrides.update(sm.overrides(apply_overrides(load_yaml(args.config), overrides)))
     fit_args = ["-c", args.config]
@@ -145,9 +155,14 @@ def _main(argv: list[str]) -> int:
         return cli.main(["fit", *fit_args])
     experiment = cli.load_experiment(args.config, overrides)
     spec = LaunchSpec(
-        nproc_per_node=args.nproc_per_node or max(1, sm.num_gpus), nnodes=len(sm.hosts), node_rank=sm.node_rank,
-        master_addr=sm.hosts[0], master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
-        fit_args=fit_args, hosts=sm.hosts)
+        nproc_per_node=args.nproc_per_node or max(1, sm.num_gpus),
+        nnodes=len(sm.hosts),
+        node_rank=sm.node_rank,
+        master_addr=sm.hosts[0],
+        master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
+        fit_args=fit_args,
+        hosts=sm.hosts,
+    )
     if spec.nnodes == 1 and spec.nproc_per_node == 1:
         return cli.main(["fit", *fit_args])
     return registry.launcher(experiment.trainer.strategy).launch(spec)

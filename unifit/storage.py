@@ -7,8 +7,8 @@ Secrets in them are never written to logs, the saved config or error messages (`
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import tempfile
 import uuid
 from pathlib import Path
@@ -25,7 +25,9 @@ _PROTOCOL_EXTRA = {"s3": "s3", "s3a": "s3"}
 def redact(options: Any) -> Any:
     """A copy of `options` with every secret-looking value replaced by '***'."""
     if isinstance(options, dict):
-        return {k: ("***" if _SECRET.search(str(k)) and not isinstance(v, dict) else redact(v)) for k, v in options.items()}
+        return {
+            k: ("***" if _SECRET.search(str(k)) and not isinstance(v, dict) else redact(v)) for k, v in options.items()
+        }
     if isinstance(options, list):
         return [redact(v) for v in options]
     return options
@@ -42,7 +44,9 @@ def filesystem(url: str, options: dict[str, Any] | None = None) -> tuple[Any, st
     except ImportError as exc:
         protocol = url.split("://", 1)[0]
         extra = _PROTOCOL_EXTRA.get(protocol, "all")
-        raise ConfigError(f"'{url}' needs the file system for {protocol}:// ({exc}); fix: pip install 'unifit[{extra}]'") from None
+        raise ConfigError(
+            f"'{url}' needs the file system for {protocol}:// ({exc}); fix: pip install 'unifit[{extra}]'"
+        ) from None
     except ValueError as exc:
         raise ConfigError(f"'{url}': {exc}; use a local path or a URL like s3://bucket/prefix") from None
 
@@ -59,8 +63,10 @@ def _check_local_dir(path: str, field: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".unifit-write-check-"):
             pass
     except OSError as exc:
-        raise ConfigError(f"{field}: '{path}' cannot be created or written: {exc.strerror or first_line(exc)}"
-                          f"{f' ({exc.filename})' if exc.filename else ''}; choose a writable directory") from None
+        raise ConfigError(
+            f"{field}: '{path}' cannot be created or written: {exc.strerror or first_line(exc)}"
+            f"{f' ({exc.filename})' if exc.filename else ''}; choose a writable directory"
+        ) from None
     finally:
         for directory in created:  # deepest first
             try:
@@ -82,11 +88,16 @@ def check_writable(url: str, options: dict[str, Any] | None, field: str) -> None
         fs.pipe_file(probe, b"ok")
         fs.rm_file(probe)
     except FileNotFoundError:
-        raise ConfigError(f"{field}: '{url}' cannot be written: the bucket does not exist; create it or fix the URL") from None
+        raise ConfigError(
+            f"{field}: '{url}' cannot be written: the bucket does not exist; create it or fix the URL"
+        ) from None
     except PermissionError as exc:
         raise ConfigError(
             f"{field}: '{url}' cannot be written: access denied ({first_line(exc)}); check the credentials "
-            "(AWS_PROFILE, AWS_ACCESS_KEY_ID, trainer.storage_options) and the bucket policy") from None
+            "(AWS_PROFILE, AWS_ACCESS_KEY_ID, trainer.storage_options) and the bucket policy"
+        ) from None
     except Exception as exc:  # endpoint unreachable, bad endpoint_url, ...
-        raise ConfigError(f"{field}: '{url}' cannot be written: {type(exc).__name__}: {first_line(exc)}; "
-                          "check the endpoint and network") from None
+        raise ConfigError(
+            f"{field}: '{url}' cannot be written: {type(exc).__name__}: {first_line(exc)}; "
+            "check the endpoint and network"
+        ) from None

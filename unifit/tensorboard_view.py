@@ -35,7 +35,7 @@ class RemoteMirror:
         fetched = 0
         root = self.root.rstrip("/")
         for path, info in self.fs.find(root, detail=True).items():
-            rel = path[len(root):].lstrip("/")
+            rel = path[len(root) :].lstrip("/")
             if not rel or self._got.get(rel) == info.get("size"):
                 continue
             target = os.path.join(self.local_dir, rel)
@@ -47,8 +47,14 @@ class RemoteMirror:
         return fetched
 
 
-def serve(url: str, *, host: str = "127.0.0.1", port: int = 6006, refresh_s: float = 10.0,
-          storage_options: dict[str, Any] | None = None) -> None:
+def serve(
+    url: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 6006,
+    refresh_s: float = 10.0,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
     """Mirror `url` and serve it until interrupted."""
     require("tensorboard", purpose="unifit tensorboard")
     from tensorboard import program
@@ -57,8 +63,19 @@ def serve(url: str, *, host: str = "127.0.0.1", port: int = 6006, refresh_s: flo
     mirror = RemoteMirror(url, local, storage_options)
     mirror.sync_once()
     board = program.TensorBoard()
-    board.configure(argv=[None, "--logdir", local, "--host", host, "--port", str(port),
-                          "--reload_interval", str(max(1, int(refresh_s)))])
+    board.configure(
+        argv=[
+            None,
+            "--logdir",
+            local,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--reload_interval",
+            str(max(1, int(refresh_s))),
+        ]
+    )
     print(f"unifit: TensorBoard at {board.launch()} following {url} (mirror in {local})", flush=True)
     try:
         while True:

@@ -13,8 +13,9 @@ class DigitsKeras(unifit.KerasModule):
         self.hidden, self.lr = hidden, lr
 
     def build_model(self) -> keras.Model:  # called inside the strategy's scope
-        return keras.Sequential([keras.Input((64,)), keras.layers.Dense(self.hidden, activation="relu"),
-                                 keras.layers.Dense(10)])
+        return keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(self.hidden, activation="relu"), keras.layers.Dense(10)]
+        )
 
     def loss(self, y, logits):  # per-example losses; averaged over the global batch for you
         return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)

@@ -16,8 +16,12 @@ class GpuProbe(unifit.TrainModule):
     def __init__(self, n_train: int = 512, n_val: int = 128, lr: float = 0.05, nan_at_step: int | None = None) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4),
-            torch.nn.Flatten(), torch.nn.Linear(16 * 16, 10))
+            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(4),
+            torch.nn.Flatten(),
+            torch.nn.Linear(16 * 16, 10),
+        )
         self.n_train, self.n_val, self.lr = n_train, n_val, lr
         self.facts: dict[str, str] = {}
         self.nan_at_step, self._steps = nan_at_step, 0
@@ -37,8 +41,9 @@ class GpuProbe(unifit.TrainModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self.net(x)
-        self.facts.update(batch_device=str(x.device), logits_dtype=str(logits.dtype),
-                          param_device=str(next(self.parameters()).device))
+        self.facts.update(
+            batch_device=str(x.device), logits_dtype=str(logits.dtype), param_device=str(next(self.parameters()).device)
+        )
         self._steps += 1
         loss = F.cross_entropy(logits.float(), y)
         return loss * float("nan") if self._steps == self.nan_at_step else loss
@@ -62,11 +67,16 @@ class GpuReport(unifit.Callback):
     def on_fit_end(self, ctx) -> None:
         import torch.distributed as dist
 
-        report = {**ctx.module.facts, "rank": ctx.rank, "world_size": ctx.world_size,
-                  "backend": dist.get_backend() if dist.is_initialized() else None,
-                  "metrics": ctx.state.metrics, "global_step": ctx.state.global_step,
-                  "weights_sum": float(sum(_whole(p).detach().double().sum().item() for p in ctx.module.parameters())),
-                  "max_memory_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
+        report = {
+            **ctx.module.facts,
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "metrics": ctx.state.metrics,
+            "global_step": ctx.state.global_step,
+            "weights_sum": float(sum(_whole(p).detach().double().sum().item() for p in ctx.module.parameters())),
+            "max_memory_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+        }
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
             json.dump(report, f)

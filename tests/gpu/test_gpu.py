@@ -24,8 +24,18 @@ pytestmark = pytest.mark.timeout(300)
 def _run(root: Path, *args: str, procs: int | None = None, strategy: str = "single", ckpt: str | None = None):
     report = {"class_path": "tests.gpu.gpu_probe.GpuReport", "init_args": {"out_dir": str(root / "reports")}}
     head = ["fit"] if procs is None else ["launch", "--nproc-per-node", str(procs)]
-    cmd = [*head, "-c", str(GPU_YAML), "--trainer.root_dir", str(root), "--trainer.strategy", strategy,
-           "--trainer.callbacks", json.dumps([report]), *args]
+    cmd = [
+        *head,
+        "-c",
+        str(GPU_YAML),
+        "--trainer.root_dir",
+        str(root),
+        "--trainer.strategy",
+        strategy,
+        "--trainer.callbacks",
+        json.dumps([report]),
+        *args,
+    ]
     return run_unifit(*cmd, *(["--ckpt-path", ckpt] if ckpt else []), timeout=240)
 
 
@@ -33,8 +43,9 @@ def _reports(root: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted((root / "reports").glob("report_*.json"))]
 
 
-@pytest.mark.parametrize("precision,dtype", [("32-true", "torch.float32"), ("bf16-mixed", "torch.bfloat16"),
-                                             ("16-mixed", "torch.float16")])
+@pytest.mark.parametrize(
+    "precision,dtype", [("32-true", "torch.float32"), ("bf16-mixed", "torch.bfloat16"), ("16-mixed", "torch.float16")]
+)
 def test_single_gpu_trains_on_cuda_in_each_precision(tmp_path, precision, dtype):
     result = _run(tmp_path, "--trainer.precision", precision)
     assert_ok(result)
@@ -81,8 +92,15 @@ def test_resume_on_gpu_matches_uninterrupted_run(tmp_path, precision):
 def test_nan_loss_on_gpu_stops_before_a_bad_checkpoint(tmp_path, precision):
     """The guard reads the GPU's flag without stalling it; a NaN loss still stops the run (a float16 step
     the GradScaler skips for inf gradients does not)."""
-    result = _run(tmp_path, "--trainer.precision", precision, "--module.init_args.nan_at_step", "20",
-                  "--trainer.nan_guard.check_every_n_steps", "4")
+    result = _run(
+        tmp_path,
+        "--trainer.precision",
+        precision,
+        "--module.init_args.nan_at_step",
+        "20",
+        "--trainer.nan_guard.check_every_n_steps",
+        "4",
+    )
     assert result.returncode == 1, result.stderr
     assert "training stopped on all ranks: non-finite loss at step 20 on rank 0" in result.stderr, result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0001-step=0000016", "last.json"]
@@ -145,9 +163,13 @@ def test_model_zoo_on_one_gpu(tmp_path, strategy):
     assert_ok(_zoo(tmp_path, strategy, "--precisions", precisions, *extra))
     results = json.loads((tmp_path / "rank0.json").read_text())
     failed = {key: r["error"] for key, r in results.items() if "error" in r}
-    summary = {"command": f"pytest tests/gpu -k 'zoo and {strategy}'", "device": torch.cuda.get_device_name(0),
-               "runs": {key: {"error": r.get("error"), "final_loss": (r.get("losses") or [None])[-1]}
-                        for key, r in results.items()}}
+    summary = {
+        "command": f"pytest tests/gpu -k 'zoo and {strategy}'",
+        "device": torch.cuda.get_device_name(0),
+        "runs": {
+            key: {"error": r.get("error"), "final_loss": (r.get("losses") or [None])[-1]} for key, r in results.items()
+        },
+    }
     out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / f"gpu_zoo_{strategy}.json"
     out.write_text(json.dumps(summary, indent=1))  # committed after a GPU run: what ran, what was refused
     assert not failed, failed

@@ -24,8 +24,9 @@ def main() -> None:
     strategy.setup()
     assert strategy._hook is not None, "the hierarchical hook must be active with 2 nodes x 2 ranks"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
-                                torch.nn.Tanh(), torch.nn.Linear(256, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10)
+    )
     flat = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.05)
     hierarchical = strategy.wrap_module(copy.deepcopy(model), torch.device("cpu"))
     worst = 0.0

@@ -27,14 +27,21 @@ def compiled_model(form: str = "objects", lr: float = 0.5) -> keras.Model:
     seeded initializers, so every run (and every rank) starts from the same ones."""
     keras.utils.set_random_seed(7)
     strings = form == "strings"
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(CLASSES, activation="softmax" if strings else None)])
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(CLASSES, activation="softmax" if strings else None),
+        ]
+    )
     if strings:
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     else:
-        model.compile(optimizer=keras.optimizers.SGD(lr),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=[keras.metrics.SparseCategoricalAccuracy()])
+        model.compile(
+            optimizer=keras.optimizers.SGD(lr),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[keras.metrics.SparseCategoricalAccuracy()],
+        )
     return model
 
 
@@ -71,10 +78,15 @@ class WeightsReport(unifit.Callback):
     def on_teardown(self, ctx) -> None:
         module = ctx.module
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
-        report = {"rank": ctx.rank, "world_size": ctx.world_size, "initial": self.initial,
-                  "trained": [w.tolist() for w in module.model.get_weights()],
-                  "user": [w.tolist() for w in module.user_model.get_weights()],
-                  "user_is_trained_copy": module.user_model is not module.model,
-                  "replicas_identical": _replicas_identical(module.model),
-                  "metrics": dict(ctx.state.metrics), "pid": os.getpid()}
+        report = {
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "initial": self.initial,
+            "trained": [w.tolist() for w in module.model.get_weights()],
+            "user": [w.tolist() for w in module.user_model.get_weights()],
+            "user_is_trained_copy": module.user_model is not module.model,
+            "replicas_identical": _replicas_identical(module.model),
+            "metrics": dict(ctx.state.metrics),
+            "pid": os.getpid(),
+        }
         (Path(self.out_dir) / f"report_{ctx.rank}.json").write_text(json.dumps(report))

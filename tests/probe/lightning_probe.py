@@ -68,9 +68,15 @@ class Regressor(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self.calls.append("on_train_epoch_end")
-        self.seen_at_epoch_end.append({"epoch": self.current_epoch, "step": self.global_step,
-                                       "rank": self.global_rank, "world": self.trainer.world_size,
-                                       "device": str(self.device)})
+        self.seen_at_epoch_end.append(
+            {
+                "epoch": self.current_epoch,
+                "step": self.global_step,
+                "rank": self.global_rank,
+                "world": self.trainer.world_size,
+                "device": str(self.device),
+            }
+        )
 
     def on_fit_end(self) -> None:
         self.calls.append("on_fit_end")
@@ -94,9 +100,14 @@ class LightningReport(unifit.Callback):
         whole = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in state.values()]  # fsdp: gathered
         flat = torch.cat([v.detach().reshape(-1).double() for v in whole])
         lm = ctx.module.lightning
-        report = {"rank": ctx.rank, "keys": sorted(state), "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
-                  "metrics": ctx.state.metrics, "calls": getattr(lm, "calls", []),
-                  "seen_at_epoch_end": getattr(lm, "seen_at_epoch_end", [])}
+        report = {
+            "rank": ctx.rank,
+            "keys": sorted(state),
+            "weights_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            "metrics": ctx.state.metrics,
+            "calls": getattr(lm, "calls", []),
+            "seen_at_epoch_end": getattr(lm, "seen_at_epoch_end", []),
+        }
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"report_{ctx.rank}.json"), "w") as f:
             json.dump(report, f)

@@ -44,12 +44,22 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 class ProbeModule(unifit.TrainModule):
-    def __init__(self, n_train: int = 64, n_val: int = 37, lr: float = 0.05, dropout: float = 0.2,
-                 nan_at_step: int | None = None, nan_rank: int | None = None,
-                 log_rank_only: str | None = None, save_on_rank_zero_only: bool = False, hidden: int = 16) -> None:
+    def __init__(
+        self,
+        n_train: int = 64,
+        n_val: int = 37,
+        lr: float = 0.05,
+        dropout: float = 0.2,
+        nan_at_step: int | None = None,
+        nan_rank: int | None = None,
+        log_rank_only: str | None = None,
+        save_on_rank_zero_only: bool = False,
+        hidden: int = 16,
+    ) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Dropout(dropout),
-                                       torch.nn.Linear(hidden, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(hidden, 1)
+        )
         self.n_train, self.n_val, self.lr = n_train, n_val, lr
         self.nan_at_step, self.nan_rank = nan_at_step, nan_rank
         self.log_rank_only = log_rank_only
@@ -65,7 +75,6 @@ class ProbeModule(unifit.TrainModule):
 
     def test_dataset(self):
         return Indexed(29, seed=3)
-
 
     def predict_dataset(self):
         return Indexed(23, seed=4)
@@ -161,9 +170,14 @@ class ShardReport(unifit.Callback):
         params = list(ctx.module.parameters())
         momenta = [s["momentum_buffer"] for s in ctx.module.optimizer.state.values()]
         self.report.update(
-            rank=ctx.rank, end_sha256=_digest(ctx.module), lr=ctx.module.optimizer.param_groups[0]["lr"],
-            params_local=sum(_local(p).numel() for p in params), params_total=sum(p.numel() for p in params),
-            optimizer_local=sum(_local(m).numel() for m in momenta), optimizer_total=sum(m.numel() for m in momenta))
+            rank=ctx.rank,
+            end_sha256=_digest(ctx.module),
+            lr=ctx.module.optimizer.param_groups[0]["lr"],
+            params_local=sum(_local(p).numel() for p in params),
+            params_total=sum(p.numel() for p in params),
+            optimizer_local=sum(_local(m).numel() for m in momenta),
+            optimizer_total=sum(m.numel() for m in momenta),
+        )
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"shards_{ctx.rank}.json"), "w") as f:
             json.dump(self.report, f)
@@ -220,7 +234,12 @@ class KillOnce(unifit.Callback):
 
     def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
         p = ctx.progress
-        if ctx.rank == self.rank and p.epoch == 1 and p.batch_in_epoch == self.batch and not os.path.exists(self.marker):
+        if (
+            ctx.rank == self.rank
+            and p.epoch == 1
+            and p.batch_in_epoch == self.batch
+            and not os.path.exists(self.marker)
+        ):
             open(self.marker, "w").close()
             os.kill(os.getpid(), 9)
 

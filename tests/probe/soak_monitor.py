@@ -54,8 +54,11 @@ def fd_targets() -> dict[str, int]:
 
 def sample() -> dict[str, float]:
     status = _status()
-    return {"threads": status["Threads"], "rss_mb": status["VmRSS"] / 1024,
-            "fds": len(os.listdir("/proc/self/fd")) - 1}  # minus listdir's own descriptor
+    return {
+        "threads": status["Threads"],
+        "rss_mb": status["VmRSS"] / 1024,
+        "fds": len(os.listdir("/proc/self/fd")) - 1,
+    }  # minus listdir's own descriptor
 
 
 class ResourceSampler(unifit.Callback):
@@ -68,25 +71,40 @@ class ResourceSampler(unifit.Callback):
         self._t0 = time.monotonic()
 
     def _take(self, ctx, where: str) -> None:
-        row = {"epoch": ctx.state.epoch, "step": ctx.state.global_step, "t": round(time.monotonic() - self._t0, 3),
-               "wall": time.time(),
-               "where": where, **sample()}
+        row = {
+            "epoch": ctx.state.epoch,
+            "step": ctx.state.global_step,
+            "t": round(time.monotonic() - self._t0, 3),
+            "wall": time.time(),
+            "where": where,
+            **sample(),
+        }
         self.samples.append(row)
         if where == "fit_start" or ctx.state.epoch == self.details_at_epoch:
             self.details[f"epoch_{ctx.state.epoch}"] = {"threads": thread_names(), "fds": fd_targets()}
         if row["threads"] > self.max_threads:
             self.details["at_abort"] = {"threads": thread_names(), "fds": fd_targets()}
             self._write(ctx)
-            raise RuntimeError(f"soak: {row['threads']} threads at epoch {ctx.state.epoch} (step {ctx.state.global_step}) "
-                               f"on rank {ctx.rank}, more than max_threads={self.max_threads}: threads are leaking")
+            raise RuntimeError(
+                f"soak: {row['threads']} threads at epoch {ctx.state.epoch} (step {ctx.state.global_step}) "
+                f"on rank {ctx.rank}, more than max_threads={self.max_threads}: threads are leaking"
+            )
         self._write(ctx)
 
     def _write(self, ctx) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, f"resources_{ctx.rank}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid(),
-                       "samples": self.samples, "details": self.details}, f)
+            json.dump(
+                {
+                    "rank": ctx.rank,
+                    "world_size": ctx.world_size,
+                    "pid": os.getpid(),
+                    "samples": self.samples,
+                    "details": self.details,
+                },
+                f,
+            )
         os.replace(path + ".tmp", path)
 
     def on_fit_start(self, ctx) -> None:

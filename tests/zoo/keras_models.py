@@ -75,13 +75,14 @@ def image_classifier(batch: int, augment: bool = True) -> tuple[Any, Any, Any, i
     train_ds = tf.data.Dataset.from_tensor_slices(_images(N_IMAGES, seed=1)).batch(batch)
     val_ds = tf.data.Dataset.from_tensor_slices(_images(N_IMAGES // 2, seed=2)).batch(batch)
     if augment:  # keras-io: "apply data_augmentation to the training images", on the batched dataset
-        train_ds = train_ds.map(lambda img, label: (data_augmentation(img), label),
-                                num_parallel_calls=tf.data.AUTOTUNE)
+        train_ds = train_ds.map(lambda img, label: (data_augmentation(img), label), num_parallel_calls=tf.data.AUTOTUNE)
     train_ds = train_ds.prefetch(tf.data.AUTOTUNE)
     model = make_model(input_shape=(IMAGE, IMAGE, 3), num_classes=CLASSES)
-    model.compile(optimizer=keras.optimizers.Adam(3e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")])
+    model.compile(
+        optimizer=keras.optimizers.Adam(3e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+    )
     return model, train_ds, val_ds, batch
 
 
@@ -106,8 +107,7 @@ def text_classifier(batch: int) -> tuple[Any, Any, Any, int]:
     keras.utils.set_random_seed(0)
     raw_train_ds = tf.data.Dataset.from_tensor_slices(_texts(N_TEXTS, seed=1)).batch(batch)
     raw_val_ds = tf.data.Dataset.from_tensor_slices(_texts(N_TEXTS // 2, seed=2)).batch(batch)
-    vectorize_layer = layers.TextVectorization(max_tokens=VOCAB, output_mode="int",
-                                               output_sequence_length=TOKENS)
+    vectorize_layer = layers.TextVectorization(max_tokens=VOCAB, output_mode="int", output_sequence_length=TOKENS)
     vectorize_layer.adapt(raw_train_ds.map(lambda x, y: x))
 
     def vectorize_text(text: Any, label: Any) -> tuple[Any, Any]:
@@ -129,6 +129,9 @@ def text_classifier(batch: int) -> tuple[Any, Any, Any, int]:
     return model, train_ds, val_ds, batch
 
 
-MODELS = {"image": image_classifier, "text": text_classifier,
-          # without its random augmentation: what can be compared number for number across strategies
-          "image-plain": lambda batch: image_classifier(batch, augment=False)}
+MODELS = {
+    "image": image_classifier,
+    "text": text_classifier,
+    # without its random augmentation: what can be compared number for number across strategies
+    "image-plain": lambda batch: image_classifier(batch, augment=False),
+}

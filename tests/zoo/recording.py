@@ -46,8 +46,13 @@ class SimulatedCrash(RuntimeError):
     pass
 
 
-def run_all(runs: list[tuple[str, str, str]], run_one: Callable[[str, str, str], dict[str, Any]],
-            save: Callable[[str, Any], None], out: Path, rank: int) -> None:
+def run_all(
+    runs: list[tuple[str, str, str]],
+    run_one: Callable[[str, str, str], dict[str, Any]],
+    save: Callable[[str, Any], None],
+    out: Path,
+    rank: int,
+) -> None:
     """Each (model, precision, kind) in turn; `run_one` returns the record (its "weights" go to `save`,
     the rest to out/rank{rank}.json); an exception is recorded as the run's "error" and the zoo goes on."""
     results: dict[str, Any] = {}

@@ -54,13 +54,24 @@ def unifit_run(name: str, precision: str, args: argparse.Namespace, root: Path, 
     model, train, val = build(name, args.batch)
     recorder = Recorder()
     options: dict[str, Any] = dict(
-        max_epochs=EPOCHS, precision=precision, lr_scaling="none", root_dir=str(root), progress_bar=False,
-        tensorboard={"enabled": False}, checkpoint={"enabled": resume}, nan_guard={"enabled": False},
-        collective_timeout_s=60, strategy_options=json.loads(args.strategy_options), callbacks=[recorder])
+        max_epochs=EPOCHS,
+        precision=precision,
+        lr_scaling="none",
+        root_dir=str(root),
+        progress_bar=False,
+        tensorboard={"enabled": False},
+        checkpoint={"enabled": resume},
+        nan_guard={"enabled": False},
+        collective_timeout_s=60,
+        strategy_options=json.loads(args.strategy_options),
+        callbacks=[recorder],
+    )
     crashed = None
     if resume:
         try:
-            unifit.Trainer(**{**options, "callbacks": [recorder, Crash()]}).fit(model, data={"train": train, "val": val})
+            unifit.Trainer(**{**options, "callbacks": [recorder, Crash()]}).fit(
+                model, data={"train": train, "val": val}
+            )
         except SimulatedCrash as exc:
             crashed = str(exc)
         model, train, val = build(name, args.batch)
@@ -70,8 +81,13 @@ def unifit_run(name: str, precision: str, args: argparse.Namespace, root: Path, 
     else:
         unifit.Trainer(**options).fit(model, data={"train": train, "val": val})
     weights = model.get_weights()
-    return {"losses": recorder.losses, "epochs": recorder.epochs, "digest": digest(weights), "weights": weights,
-            "crashed": crashed}
+    return {
+        "losses": recorder.losses,
+        "epochs": recorder.epochs,
+        "digest": digest(weights),
+        "weights": weights,
+        "crashed": crashed,
+    }
 
 
 def keras_run(name: str, precision: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -86,8 +102,13 @@ def keras_run(name: str, precision: str, args: argparse.Namespace) -> dict[str, 
     finally:
         keras.mixed_precision.set_global_policy("float32")
     weights = model.get_weights()
-    return {"losses": [], "epochs": [{k: float(v[-1]) for k, v in history.history.items()}],
-            "digest": digest(weights), "weights": weights, "crashed": None}
+    return {
+        "losses": [],
+        "epochs": [{k: float(v[-1]) for k, v in history.history.items()}],
+        "digest": digest(weights),
+        "weights": weights,
+        "crashed": None,
+    }
 
 
 def main() -> int:
@@ -110,6 +131,7 @@ def main() -> int:
     runs = [(m, p, "unifit") for m in models for p in precisions]
     runs += [("text", "32-true", "resume")] if args.resume and "text" in models else []
     runs += [(m, p, "keras") for m in models for p in precisions] if args.reference else []
+
     def run_one(name: str, precision: str, kind: str) -> dict[str, Any]:
         if kind == "keras":
             return keras_run(name, precision, args)

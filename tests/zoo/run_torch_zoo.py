@@ -36,8 +36,10 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model on every rank (FSDP's shards gathered: a collective, so every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().cpu()
+        for k, v in module.state_dict().items()
+    }
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
@@ -53,16 +55,25 @@ def build(name: str, batch: int, models: dict[str, Any]) -> tuple[Any, Any]:
     return models[name][0](batch)
 
 
-def unifit_run(name: str, precision: str, args: argparse.Namespace, models: dict[str, Any], root: Path,
-               resume: bool = False) -> dict[str, Any]:
+def unifit_run(
+    name: str, precision: str, args: argparse.Namespace, models: dict[str, Any], root: Path, resume: bool = False
+) -> dict[str, Any]:
     module, data = build(name, args.batch, models)
     recorder = Recorder()
     options: dict[str, Any] = dict(
-        max_epochs=EPOCHS, precision=precision, accumulate_grad_batches=args.accumulate, lr_scaling="none",
-        root_dir=str(root), progress_bar=False, tensorboard={"enabled": False},
+        max_epochs=EPOCHS,
+        precision=precision,
+        accumulate_grad_batches=args.accumulate,
+        lr_scaling="none",
+        root_dir=str(root),
+        progress_bar=False,
+        tensorboard={"enabled": False},
         checkpoint={"enabled": resume},
-        nan_guard={"enabled": False}, collective_timeout_s=60, callbacks=[recorder],
-        strategy_options=json.loads(args.strategy_options))
+        nan_guard={"enabled": False},
+        collective_timeout_s=60,
+        callbacks=[recorder],
+        strategy_options=json.loads(args.strategy_options),
+    )
     crashed = None
     if resume:  # crash mid-epoch, then resume from the last checkpoint in a fresh Trainer and module
         try:
@@ -76,17 +87,31 @@ def unifit_run(name: str, precision: str, args: argparse.Namespace, models: dict
     else:
         unifit.Trainer(**options).fit(module, data)
     state = full_state(module)
-    return {"losses": recorder.losses, "epochs": recorder.epochs, "digest": digest(state), "weights": state,
-            "crashed": crashed}
+    return {
+        "losses": recorder.losses,
+        "epochs": recorder.epochs,
+        "digest": digest(state),
+        "weights": state,
+        "crashed": crashed,
+    }
 
 
 def lightning_run(name: str, precision: str, args: argparse.Namespace, models: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
 
     module, data = build(name, args.batch, models)
-    trainer = L.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=1, max_epochs=EPOCHS, precision=precision,
-                        accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="gpu" if args.gpu else "cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        precision=precision,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, datamodule=data)
     state = full_state(module)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -116,8 +141,12 @@ def main() -> int:
     runs = [(m, p, "unifit") for m in args.models.split(",") for p in args.precisions.split(",")]
     runs += [(m, "32-true", "resume") for m in args.models.split(",")] if args.resume else []
     runs += [(c, "32-true", "unifit") for c in ("view-inplace", "view-copy")] if args.checks else []
-    runs += [(m, p, "lightning") for m in args.models.split(",") for p in args.precisions.split(",")
-             if p != "16-mixed"] if args.lightning else []
+    runs += (
+        [(m, p, "lightning") for m in args.models.split(",") for p in args.precisions.split(",") if p != "16-mixed"]
+        if args.lightning
+        else []
+    )
+
     def run_one(name: str, precision: str, kind: str) -> dict[str, Any]:
         if kind == "lightning":
             return lightning_run(name, precision, args, models)

@@ -44,7 +44,7 @@ class RandomTokens(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = i * self.block
-        return self.data[s:s + self.block], self.data[s + 1:s + 1 + self.block]
+        return self.data[s : s + self.block], self.data[s + 1 : s + 1 + self.block]
 
 
 class TokensData(L.LightningDataModule):
@@ -93,8 +93,16 @@ class GPT2LM(L.LightningModule):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         self.save_hyperparameters()
-        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         self.model = GPT2LMHeadModel(config)  # lm_head.weight is tied to transformer.wte.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
@@ -114,8 +122,11 @@ class GPT2LM(L.LightningModule):
         from transformers import get_linear_schedule_with_warmup
 
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
-        scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=self.hparams.warmup_steps,
-                                                    num_training_steps=self.trainer.estimated_stepping_batches)
+        scheduler = get_linear_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=self.hparams.warmup_steps,
+            num_training_steps=self.trainer.estimated_stepping_batches,
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
 
@@ -154,9 +165,17 @@ class BertClassifier(L.LightningModule):
         from transformers import BertConfig, BertForSequenceClassification
 
         self.save_hyperparameters()
-        config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=32, num_labels=2,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            num_labels=2,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         self.model = BertForSequenceClassification(config)
 
     def forward(self, **inputs: Any) -> Any:
@@ -226,7 +245,9 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=5e-4)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, 0.1, total_steps=self.trainer.estimated_stepping_batches
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -240,9 +261,17 @@ def _resnet(net: str) -> torch.nn.Module:
         return model
     from transformers import ResNetConfig, ResNetForImageClassification  # ResNet-18's layout (basic blocks, 2-2-2-2)
 
-    return ResNetForImageClassification(ResNetConfig(
-        num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[2, 2, 2, 2], layer_type="basic",
-        num_labels=10, downsample_in_first_stage=False))
+    return ResNetForImageClassification(
+        ResNetConfig(
+            num_channels=3,
+            embedding_size=16,
+            hidden_sizes=[16, 32, 64, 64],
+            depths=[2, 2, 2, 2],
+            layer_type="basic",
+            num_labels=10,
+            downsample_in_first_stage=False,
+        )
+    )
 
 
 def _without_dropout(module: torch.nn.Module) -> torch.nn.Module:

@@ -42,5 +42,7 @@ class ViewModule(unifit.TrainModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-CHECKS = {"view-inplace": (lambda b: (ViewModule(inplace=True), None), False),
-          "view-copy": (lambda b: (ViewModule(inplace=False), None), False)}
+CHECKS = {
+    "view-inplace": (lambda b: (ViewModule(inplace=True), None), False),
+    "view-copy": (lambda b: (ViewModule(inplace=False), None), False),
+}

@@ -12,8 +12,20 @@ from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.tensorboard import TensorBoardLogger
 from unifit.trainer.config import TrainerConfig
 
-__all__ = ["Callback", "IntervalCheckpoint", "ModelCheckpoint", "Preemption", "EarlyStopping", "EpochSummary", "ModelExport", "NanGuard", "ProgressBar", "RunDirectory",
-           "TensorBoardLogger", "default_callbacks"]
+__all__ = [
+    "Callback",
+    "IntervalCheckpoint",
+    "ModelCheckpoint",
+    "Preemption",
+    "EarlyStopping",
+    "EpochSummary",
+    "ModelExport",
+    "NanGuard",
+    "ProgressBar",
+    "RunDirectory",
+    "TensorBoardLogger",
+    "default_callbacks",
+]
 
 
 def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
@@ -31,9 +43,16 @@ def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
         callbacks.append(Preemption(cfg.preemption, save=cfg.preemption.checkpoint and cfg.checkpoint.enabled))
     if cfg.tensorboard.enabled:
         tb = cfg.tensorboard
-        callbacks.append(TensorBoardLogger(
-            cfg.tensorboard_dir, tb.log_every_n_steps, sync_to=cfg.tensorboard_sync_to,
-            sync_every_s=tb.sync_every_s, rotate_mb=tb.rotate_mb, storage_options=cfg.storage_options))
+        callbacks.append(
+            TensorBoardLogger(
+                cfg.tensorboard_dir,
+                tb.log_every_n_steps,
+                sync_to=cfg.tensorboard_sync_to,
+                sync_every_s=tb.sync_every_s,
+                rotate_mb=tb.rotate_mb,
+                storage_options=cfg.storage_options,
+            )
+        )
     callbacks.append(RunDirectory(cfg.root_dir, cfg.storage_options))
     if cfg.export_dir:
         callbacks.append(ModelExport(cfg.export_dir, cfg.storage_options))

@@ -49,11 +49,14 @@ class ModelCheckpoint(Callback):
         if monitor not in ctx.state.metrics:
             raise ConfigError(
                 f"trainer.checkpoint.monitor: '{monitor}' was not logged; logged metrics: "
-                f"{', '.join(sorted(ctx.state.metrics))}")
+                f"{', '.join(sorted(ctx.state.metrics))}"
+            )
         value = ctx.state.metrics[monitor]
         if not math.isfinite(value):
             return False
-        better = self.best_value is None or (value > self.best_value if self.config.mode == "max" else value < self.best_value)
+        better = self.best_value is None or (
+            value > self.best_value if self.config.mode == "max" else value < self.best_value
+        )
         if better:
             self.best_value = value
         return better

@@ -20,8 +20,14 @@ log = logging.getLogger("unifit")
 
 
 class DirectorySync:
-    def __init__(self, local_dir: str, url: str, storage_options: dict[str, Any] | None = None,
-                 every_s: float = 30.0, max_backoff_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        local_dir: str,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        every_s: float = 30.0,
+        max_backoff_s: float = 60.0,
+    ) -> None:
         self.local_dir, self.url = local_dir, url
         self.fs, self.root = filesystem(url, storage_options)
         self.every_s, self.max_backoff_s = every_s, max_backoff_s
@@ -32,7 +38,7 @@ class DirectorySync:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="unifit-sync", daemon=True)
 
-    def start(self) -> "DirectorySync":
+    def start(self) -> DirectorySync:
         self._thread.start()
         return self
 
@@ -46,8 +52,11 @@ class DirectorySync:
         self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.warning("tensorboard sync to %s did not finish within %.0fs; some event files were not uploaded",
-                        self.url, timeout_s)
+            log.warning(
+                "tensorboard sync to %s did not finish within %.0fs; some event files were not uploaded",
+                self.url,
+                timeout_s,
+            )
             return False
         return self.sync_once()
 
@@ -65,8 +74,12 @@ class DirectorySync:
                     self._sent[rel] = size
             except Exception as exc:  # keep training; report once, retry with backoff
                 if not self._failing:
-                    log.warning("tensorboard sync to %s failing (%s: %s); training goes on, retrying in the background",
-                                self.url, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                    log.warning(
+                        "tensorboard sync to %s failing (%s: %s); training goes on, retrying in the background",
+                        self.url,
+                        type(exc).__name__,
+                        str(exc).splitlines()[0] if str(exc) else "",
+                    )
                 self._failing = True
                 return False
             if self._failing:

@@ -21,7 +21,8 @@ class EarlyStopping(Callback):
         if cfg.monitor not in ctx.state.metrics:
             raise ConfigError(
                 f"trainer.early_stopping.monitor: '{cfg.monitor}' was not logged; logged metrics: "
-                f"{', '.join(sorted(ctx.state.metrics))}")
+                f"{', '.join(sorted(ctx.state.metrics))}"
+            )
         value = ctx.state.metrics[cfg.monitor]
         sign = 1.0 if cfg.mode == "max" else -1.0
         if self.best is None or sign * (value - self.best) > cfg.min_delta:
@@ -30,7 +31,8 @@ class EarlyStopping(Callback):
         self.bad_epochs += 1
         if self.bad_epochs >= cfg.patience:
             ctx.state.request_stop(
-                f"early stopping: {cfg.monitor} did not improve for {cfg.patience} epochs (best {self.best:.6g})")
+                f"early stopping: {cfg.monitor} did not improve for {cfg.patience} epochs (best {self.best:.6g})"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "bad_epochs": self.bad_epochs}

@@ -37,8 +37,10 @@ class LightningHooks(Callback):
     def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
         self._batch = batch
         if self.lm.on_train_batch_start(batch, batch_idx) == -1:
-            raise ConfigError(f"{type(self.lm).__name__}.on_train_batch_start returned -1 (skip the rest of the "
-                              "epoch), which one rank cannot decide alone; set trainer.should_stop or use max_epochs")
+            raise ConfigError(
+                f"{type(self.lm).__name__}.on_train_batch_start returned -1 (skip the rest of the "
+                "epoch), which one rank cannot decide alone; set trainer.should_stop or use max_epochs"
+            )
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         self.lm.on_train_batch_end({"loss": loss}, self._batch, batch_idx)

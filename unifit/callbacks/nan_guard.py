@@ -57,4 +57,6 @@ class NanGuard(Callback):
     def _stop(self, ctx: Any, what: str) -> None:
         last = ctx.last_checkpoint
         kept = f"last good checkpoint: {last}" if last else "no checkpoint was written before it"
-        raise NonFiniteLossError(f"training stopped on all ranks: {what}; {kept}; lower the lr or enable gradient_clip_val")
+        raise NonFiniteLossError(
+            f"training stopped on all ranks: {what}; {kept}; lower the lr or enable gradient_clip_val"
+        )

@@ -45,8 +45,11 @@ class Preemption(Callback):
 
     def _record(self, signum: int, frame: Any) -> None:
         if not self._received:
-            log.warning("received %s: stopping at the next agreement (within %d optimizer steps) with a checkpoint",
-                        signal.Signals(signum).name, self.every)
+            log.warning(
+                "received %s: stopping at the next agreement (within %d optimizer steps) with a checkpoint",
+                signal.Signals(signum).name,
+                self.every,
+            )
         self._received = self._received or signum
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
@@ -71,9 +74,12 @@ class Preemption(Callback):
         if self.save and not _saved_now(ctx):
             path = ctx.save_checkpoint() or path
         kept = f"checkpoint {path} is committed" if path else "no checkpoint was written"
-        raise Preempted(f"preempted by {name} at step {ctx.progress.optimizer_step} (epoch {ctx.progress.epoch + 1}, "
-                        f"batch {ctx.progress.batch_in_epoch}); {kept}; run the same command with --ckpt-path auto "
-                        "to continue", signum)
+        raise Preempted(
+            f"preempted by {name} at step {ctx.progress.optimizer_step} (epoch {ctx.progress.epoch + 1}, "
+            f"batch {ctx.progress.batch_in_epoch}); {kept}; run the same command with --ckpt-path auto "
+            "to continue",
+            signum,
+        )
 
     def on_teardown(self, ctx: Any) -> None:
         for sig, handler in self._previous.items():

@@ -88,14 +88,18 @@ class EpochSummary(Callback):
     def on_setup(self, ctx: Any) -> None:
         cfg = ctx.config
         adopted = f" (batch_size {cfg.batch_size} from {cfg.batch_size_from})" if cfg.batch_size_from else ""
-        self._print(f"unifit: strategy {cfg.strategy}, world size {ctx.world_size}, "
-                    f"global batch {ctx.global_batch}{adopted}, "
-                    f"{ctx.batches_per_epoch} batches/epoch per rank, {ctx.threads} CPU thread"
-                    f"{'s' if ctx.threads != 1 else ''} per rank")
+        self._print(
+            f"unifit: strategy {cfg.strategy}, world size {ctx.world_size}, "
+            f"global batch {ctx.global_batch}{adopted}, "
+            f"{ctx.batches_per_epoch} batches/epoch per rank, {ctx.threads} CPU thread"
+            f"{'s' if ctx.threads != 1 else ''} per rank"
+        )
 
     def on_epoch_end(self, ctx: Any) -> None:
-        self._print(f"epoch {ctx.state.epoch}/{ctx.config.max_epochs}  step {ctx.state.global_step}  "
-                    f"{format_metrics(ctx.state.metrics)}")
+        self._print(
+            f"epoch {ctx.state.epoch}/{ctx.config.max_epochs}  step {ctx.state.global_step}  "
+            f"{format_metrics(ctx.state.metrics)}"
+        )
 
     def on_fit_end(self, ctx: Any) -> None:
         self._print(f"final metrics: {format_metrics(ctx.state.metrics)}")
@@ -135,8 +139,9 @@ class ProgressBar(Callback):
                 return
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=ctx.batches_per_epoch, desc=self._desc, leave=False, dynamic_ncols=True,
-                             file=self._stream)
+            self._bar = tqdm(
+                total=ctx.batches_per_epoch, desc=self._desc, leave=False, dynamic_ncols=True, file=self._stream
+            )
         self._bar.update(1)
         if batch_idx % self.every == 0:
             self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)

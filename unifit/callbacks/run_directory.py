@@ -39,8 +39,11 @@ class RunDirectory(Callback):
 
     def on_epoch_end(self, ctx: Any) -> None:
         elapsed = round(time.monotonic() - self._started, 3)
-        self.lines.append(json.dumps({"epoch": ctx.state.epoch, "step": ctx.state.global_step, "elapsed_s": elapsed,
-                                      **ctx.state.metrics}))
+        self.lines.append(
+            json.dumps(
+                {"epoch": ctx.state.epoch, "step": ctx.state.global_step, "elapsed_s": elapsed, **ctx.state.metrics}
+            )
+        )
         self._write()
 
     def _write(self) -> None:

@@ -33,9 +33,16 @@ def _without_tensorflow() -> None:
 class TensorBoardLogger(Callback):
     rank_zero_only = True
 
-    def __init__(self, log_dir: str | None, log_every_n_steps: int, *, sync_to: str | None = None,
-                 sync_every_s: float = 30.0, rotate_mb: float = 4.0,
-                 storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | None,
+        log_every_n_steps: int,
+        *,
+        sync_to: str | None = None,
+        sync_every_s: float = 30.0,
+        rotate_mb: float = 4.0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         self.log_dir = log_dir
         self.every = log_every_n_steps
         self.rotate_bytes = int(rotate_mb * 2**20)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Callable, Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from unifit.errors import ConfigError
+from unifit.frameworks.metrics import MetricCollector
 from unifit.strategies.base import Strategy
 from unifit.trainer.config import TrainerConfig
-from unifit.frameworks.metrics import MetricCollector
 
 
 class Engine(ABC):
@@ -25,7 +25,9 @@ class Engine(ABC):
         self.config = config
         self.collector = MetricCollector(self.to_numpy)
         module._unifit_collector = self.collector
-        self.replicas = strategy.world_size  # model replicas over all processes; engines with several per process set it
+        self.replicas = (
+            strategy.world_size
+        )  # model replicas over all processes; engines with several per process set it
 
     @property
     def global_batch(self) -> int:
@@ -47,12 +49,15 @@ class Engine(ABC):
         """(data, already sharded) for validate/test/predict, from the provider's `source` method."""
         data = getattr(self.data, source)()
         if data is None:
-            raise ConfigError(f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; "
-                              f"define {source}()")
+            raise ConfigError(
+                f"{type(self.data).__name__}.{source}() returned None: there is no data to {stage}; define {source}()"
+            )
         data, presharded = self._rank_data(data)
         if presharded and stage == "predict":
-            raise ConfigError(f"{source}(): data split by file has no dataset-wide order to return predictions in; "
-                              "give one dataset (every rank takes its part of it)")
+            raise ConfigError(
+                f"{source}(): data split by file has no dataset-wide order to return predictions in; "
+                "give one dataset (every rank takes its part of it)"
+            )
         return data, presharded
 
     @abstractmethod

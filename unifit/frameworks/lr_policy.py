@@ -21,7 +21,7 @@ class LRPolicy:
     warmup_steps: int
 
     @classmethod
-    def from_config(cls, cfg: TrainerConfig, world_size: int, steps_per_epoch: int) -> "LRPolicy":
+    def from_config(cls, cfg: TrainerConfig, world_size: int, steps_per_epoch: int) -> LRPolicy:
         global_batch = cfg.batch_size * world_size * cfg.accumulate_grad_batches
         ratio = global_batch / (cfg.base_batch_size or cfg.batch_size)
         factor = {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[cfg.lr_scaling]

@@ -21,7 +21,6 @@ import numpy as np
 
 from unifit.errors import ConfigError, DistributedError
 
-
 STATEFUL = "__stateful__"  # the key of the metric objects' states in a collector's state_dict
 
 
@@ -96,7 +95,9 @@ class MetricCollector:
         totals = strategy.all_reduce_sum(sums)
         self.reset()
         self._last_totals = {key: float(totals[len(keys) + i]) for i, key in enumerate(keys)}
-        means = {key: float(totals[i] / totals[len(keys) + i]) for i, key in enumerate(keys) if totals[len(keys) + i] > 0}
+        means = {
+            key: float(totals[i] / totals[len(keys) + i]) for i, key in enumerate(keys) if totals[len(keys) + i] > 0
+        }
         return {**means, **computed}
 
 
@@ -110,8 +111,10 @@ def _computed_over_ranks(name: str, metric: Any, strategy: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
-        raise ConfigError(f"metric {name!r}: {metric.name} computes a {type(value).__name__}, not one number; log a "
-                          "metric that gives a scalar (e.g. average='macro')") from None
+        raise ConfigError(
+            f"metric {name!r}: {metric.name} computes a {type(value).__name__}, not one number; log a "
+            "metric that gives a scalar (e.g. average='macro')"
+        ) from None
 
 
 def _agreed_keys(all_keys: list[list[str]]) -> list[str]:

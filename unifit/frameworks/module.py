@@ -43,12 +43,14 @@ class ModuleBase:
             values.update(info.locals[info.keywords])
         unknown = [name for name in names if name not in values]
         if unknown:
-            raise ConfigError(f"{type(self).__name__}.save_hyperparameters({', '.join(map(repr, names))}): "
-                              f"{unknown} are not arguments of its __init__ (it has {sorted(values)})")
+            raise ConfigError(
+                f"{type(self).__name__}.save_hyperparameters({', '.join(map(repr, names))}): "
+                f"{unknown} are not arguments of its __init__ (it has {sorted(values)})"
+            )
         self.__dict__["hparams"] = HParams({k: v for k, v in values.items() if not names or k in names})
 
     @property
-    def hparams(self) -> "HParams":
+    def hparams(self) -> HParams:
         return self.__dict__.setdefault("hparams", HParams())
 
     def log(self, name: str, value: Any, *, batch_size: int | None = None) -> None:

@@ -11,16 +11,28 @@ import numpy as np
 def host_rng_state() -> dict[str, Any]:
     """Plain lists and numbers, so checkpoints need no pickled objects to hold it."""
     np_state = np.random.get_state(legacy=False)
-    return {"python": random.getstate(),
-            "numpy": {"key": np_state["state"]["key"].tolist(), "pos": int(np_state["state"]["pos"]),
-                      "has_gauss": int(np_state["has_gauss"]), "gauss": float(np_state["gauss"])}}
+    return {
+        "python": random.getstate(),
+        "numpy": {
+            "key": np_state["state"]["key"].tolist(),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+    }
 
 
 def set_host_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuple(state["python"]))
     n = state["numpy"]
-    np.random.set_state({"bit_generator": "MT19937", "state": {"key": np.asarray(n["key"], dtype=np.uint32),
-                         "pos": n["pos"]}, "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": np.asarray(n["key"], dtype=np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
 
 
 def seed_host(seed: int) -> None:

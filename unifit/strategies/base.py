@@ -38,8 +38,15 @@ class Strategy(ABC):
     # how `unifit launch` starts its processes (registered strategies name theirs in the registry)
     launcher: ClassVar[str] = "unifit.strategies.launchers.base:SingleProcessLauncher"
 
-    def __init__(self, env: ClusterEnvironment, *, framework: str = "torch", accelerator: str = "auto",
-                 collective_timeout_s: float = 300.0, options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        env: ClusterEnvironment,
+        *,
+        framework: str = "torch",
+        accelerator: str = "auto",
+        collective_timeout_s: float = 300.0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self.env = env
         self.framework = framework  # of the module being trained; strategies spanning two pick an adapter by it
         self.accelerator = accelerator
@@ -111,8 +118,9 @@ class Strategy(ABC):
         """Every rank must reach the barrier `name`; one that does not makes it fail, not hang."""
 
     # ---- state IO ------------------------------------------------------------------------
-    def save_checkpoint(self, snapshot: Callable[[bool], dict[str, bytes]],
-                        commit: Callable[[dict[str, bytes]], None]) -> None:
+    def save_checkpoint(
+        self, snapshot: Callable[[bool], dict[str, bytes]], commit: Callable[[dict[str, bytes]], None]
+    ) -> None:
         """One writer: every rank takes the snapshot (it may run collectives; its argument says
         whether this rank writes), rank 0 commits the files. A sharded strategy overrides this so
         every rank writes its own shards."""
@@ -120,8 +128,9 @@ class Strategy(ABC):
         if self.is_global_zero:
             commit(files)
 
-    def load_checkpoint(self, find: Callable[[], tuple[Any, str | None]],
-                        read_at: Callable[[str], Any]) -> tuple[Any, str | None]:
+    def load_checkpoint(
+        self, find: Callable[[], tuple[Any, str | None]], read_at: Callable[[str], Any]
+    ) -> tuple[Any, str | None]:
         """Rank 0 finds the checkpoint to resume from and reads it: `find()` -> (state, its URL), or
         (None, None) for none. Where every rank can read that URL (a shared disk, S3), each reads its
         own copy; otherwise (rank 0's local disk) rank 0's copy is broadcast. Returns (state, URL)."""
@@ -146,8 +155,13 @@ class Strategy(ABC):
                 log.info("resume: every rank read %s itself", url)
             return mine[0], url
         if failed is not None:
-            log.info("resume: rank %d cannot read %s (%s: %s); rank 0 sends its copy", self.rank, url,
-                     type(failed).__name__, first_line(failed))
+            log.info(
+                "resume: rank %d cannot read %s (%s: %s); rank 0 sends its copy",
+                self.rank,
+                url,
+                type(failed).__name__,
+                first_line(failed),
+            )
         if self.is_global_zero:
             log.info("resume: not every rank can read %s (rank %d cannot); rank 0 sends its copy", url, int(blind))
         return self.broadcast_object(mine[0] if self.is_global_zero else None), url
@@ -238,5 +252,7 @@ class TorchDistributedStrategy(Strategy, ABC):
         try:
             yield
         except RuntimeError as exc:
-            raise DistributedError(f"{what} on rank {self.rank} failed: {first_line(exc)}; "
-                                   "another rank failed or stopped calling collectives, see its error") from exc
+            raise DistributedError(
+                f"{what} on rank {self.rank} failed: {first_line(exc)}; "
+                "another rank failed or stopped calling collectives, see its error"
+            ) from exc

@@ -15,8 +15,8 @@ from typing import Any, ContextManager, Literal
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
 from unifit.errors import DistributedError, first_line
-from unifit.strategies.torch_device import torch_device
 from unifit.strategies.base import TorchDistributedStrategy
+from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
 
 log = logging.getLogger("unifit")
@@ -61,7 +61,9 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         if self.env.source == "none":
             log.warning(
                 "%s: no launcher environment found (RANK/WORLD_SIZE unset), running a world of size 1; "
-                "start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>", self.name)
+                "start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>",
+                self.name,
+            )
             return
         backend = self._backend_name(torch_device(self.accelerator, self.local_rank))
         if not dist.is_initialized():
@@ -93,8 +95,11 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         """Rendezvous: torchrun's store, or the rank facts another launcher (mpirun) gave."""
         if self.env.source == "torchrun":
             return self._torchrun_store()
-        return {"init_method": f"tcp://{self.env.master_addr}:{self.env.master_port}",
-                "rank": self.rank, "world_size": self.world_size}
+        return {
+            "init_method": f"tcp://{self.env.master_addr}:{self.env.master_port}",
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
 
     def _torchrun_store(self) -> dict[str, Any]:
         """torchrun's store, its keys prefixed by the restart attempt: after `--max-restarts` restarts
@@ -107,13 +112,16 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         import torch.distributed as dist
 
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 serves it (env://)
-        store = dist.TCPStore(self.env.master_addr, self.env.master_port, self.world_size,
-                              is_master=not agent_store and self.rank == 0,
-                              timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))
+        store = dist.TCPStore(
+            self.env.master_addr,
+            self.env.master_port,
+            self.world_size,
+            is_master=not agent_store and self.rank == 0,
+            timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s),
+        )
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         prefix = f"unifit/attempt_{attempt}/group_{next(_GROUPS_MADE)}"
-        return {"store": dist.PrefixStore(prefix, store), "rank": self.rank,
-                "world_size": self.world_size}
+        return {"store": dist.PrefixStore(prefix, store), "rank": self.rank, "world_size": self.world_size}
 
     def teardown(self) -> None:
         """The side groups made for this fit go; the default group stays to the end of the process (as in

@@ -34,7 +34,9 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise DistributedError(f"environment variable {name}={raw!r} is not an integer; fix the launcher settings") from None
+        raise DistributedError(
+            f"environment variable {name}={raw!r} is not an integer; fix the launcher settings"
+        ) from None
 
 
 # what torchrun (torch.distributed.run) sets on every rank besides RANK/WORLD_SIZE; a process with
@@ -81,10 +83,15 @@ def from_horovodrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment 
         return None
     world = _int(env, "HOROVOD_SIZE", 1)
     return ClusterEnvironment(
-        rank=_int(env, "HOROVOD_RANK", 0), world_size=world, local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
-        local_world_size=_int(env, "HOROVOD_LOCAL_SIZE", world), node_rank=_int(env, "HOROVOD_CROSS_RANK", 0),
+        rank=_int(env, "HOROVOD_RANK", 0),
+        world_size=world,
+        local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
+        local_world_size=_int(env, "HOROVOD_LOCAL_SIZE", world),
+        node_rank=_int(env, "HOROVOD_CROSS_RANK", 0),
         master_addr=env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"),
-        master_port=_int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", 29500), source="horovodrun")
+        master_port=_int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", 29500),
+        source="horovodrun",
+    )
 
 
 def from_open_mpi(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
@@ -103,9 +110,15 @@ def from_open_mpi(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
     if not master and env.get("SM_HOSTS"):
         master = parse_hosts(env["SM_HOSTS"])[0]
     return ClusterEnvironment(
-        rank=rank, world_size=world, local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-        local_world_size=local_world, node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", rank // max(1, local_world)),
-        master_addr=master or "127.0.0.1", master_port=_int(env, "MASTER_PORT", 29500), source="open-mpi")
+        rank=rank,
+        world_size=world,
+        local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
+        local_world_size=local_world,
+        node_rank=_int(env, "OMPI_COMM_WORLD_NODE_RANK", rank // max(1, local_world)),
+        master_addr=master or "127.0.0.1",
+        master_port=_int(env, "MASTER_PORT", 29500),
+        source="open-mpi",
+    )
 
 
 def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
@@ -126,19 +139,30 @@ def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterEnvironment |
             raise ConfigError(
                 f"TF_CONFIG: task type {task['type']!r}: unifit trains with MultiWorkerMirroredStrategy, which "
                 "runs 'chief' and 'worker' tasks only; give the job (TFJob) Chief and Worker replicas, "
-                "no PS, Evaluator or Master")
-        tasks = [("chief", i) for i in range(len(cluster.get("chief") or []))] + \
-                [("worker", i) for i in range(len(cluster.get("worker") or []))]
+                "no PS, Evaluator or Master"
+            )
+        tasks = [("chief", i) for i in range(len(cluster.get("chief") or []))] + [
+            ("worker", i) for i in range(len(cluster.get("worker") or []))
+        ]
         rank = tasks.index((kind, int(task["index"])))
         addresses = [cluster[task_type][i] for task_type, i in tasks]
         host, _, port = addresses[0].rpartition(":")
         int(port)
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ConfigError(
-            f"TF_CONFIG: received {raw!r}; expected {{\"cluster\": {{\"worker\": [\"host:port\", ...]}}, "
-            "\"task\": {\"type\": \"worker\", \"index\": N}} with this task listed in the cluster") from None
-    return ClusterEnvironment(rank=rank, world_size=len(tasks), local_rank=0, local_world_size=1, node_rank=rank,
-                              master_addr=host, master_port=int(port), source="tf_config")
+            f'TF_CONFIG: received {raw!r}; expected {{"cluster": {{"worker": ["host:port", ...]}}, '
+            '"task": {"type": "worker", "index": N}} with this task listed in the cluster'
+        ) from None
+    return ClusterEnvironment(
+        rank=rank,
+        world_size=len(tasks),
+        local_rank=0,
+        local_world_size=1,
+        node_rank=rank,
+        master_addr=host,
+        master_port=int(port),
+        source="tf_config",
+    )
 
 
 def from_slurm(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
@@ -167,15 +191,25 @@ def from_slurm(env: Mapping[str, str] | None = None) -> ClusterEnvironment | Non
 
         raise ConfigError(
             f"SLURM: SLURM_PROCID={rank}, SLURM_LOCALID={local_rank}, SLURM_NODEID={node} do not fit "
-            f"{world_var}={world} with {local_world} task(s) on this node; start the ranks with srun")
+            f"{world_var}={world} with {local_world} task(s) on this node; start the ranks with srun"
+        )
     master = env.get("MASTER_ADDR")
     if not master:
         name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
         master = first_host(env[name], name) if name else "127.0.0.1"
-    port = _config_int(env, "MASTER_PORT", 0) or slurm_port(env.get("SLURM_JOB_ID", ""),
-                                                           env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID", ""))
-    return ClusterEnvironment(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                              node_rank=node, master_addr=master, master_port=port, source="slurm")
+    port = _config_int(env, "MASTER_PORT", 0) or slurm_port(
+        env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID", "")
+    )
+    return ClusterEnvironment(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=local_world,
+        node_rank=node,
+        master_addr=master,
+        master_port=port,
+        source="slurm",
+    )
 
 
 def from_env_rank(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
@@ -198,14 +232,21 @@ def from_env_rank(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
         raise ConfigError(
             f"PET_NPROC_PER_NODE={per_pod}: this pod must run {per_pod} processes; start them with "
             f"unifit launch --nproc-per-node {per_pod} --nnodes $PET_NNODES --node-rank $PET_NODE_RANK "
-            "--master-addr $MASTER_ADDR --master-port $MASTER_PORT -c <experiment.yaml>")
+            "--master-addr $MASTER_ADDR --master-port $MASTER_PORT -c <experiment.yaml>"
+        )
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world}; fix the job's environment variables")
     kubernetes = any(n in env for n in ("KUBERNETES_SERVICE_HOST", "PET_NNODES", "PET_NODE_RANK"))
-    return ClusterEnvironment(rank=rank, world_size=world, local_rank=0, local_world_size=1, node_rank=rank,
-                              master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-                              master_port=_config_int(env, "MASTER_PORT", 29500),
-                              source="pytorchjob" if kubernetes else "env")
+    return ClusterEnvironment(
+        rank=rank,
+        world_size=world,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=rank,
+        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=_config_int(env, "MASTER_PORT", 29500),
+        source="pytorchjob" if kubernetes else "env",
+    )
 
 
 # Readers tried in order; the first that recognises its launcher's variables wins. A launcher started
@@ -236,7 +277,7 @@ def parse_hosts(raw: str) -> list[str]:
     except json.JSONDecodeError:
         hosts = None
     if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) and h for h in hosts):
-        raise ConfigError(f"SM_HOSTS: received {raw!r}; expected a JSON list of host names like [\"algo-1\", \"algo-2\"]")
+        raise ConfigError(f'SM_HOSTS: received {raw!r}; expected a JSON list of host names like ["algo-1", "algo-2"]')
     return hosts
 
 

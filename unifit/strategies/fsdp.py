@@ -36,19 +36,28 @@ class FSDPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     sharding: Literal["full", "hybrid"] = Field(
-        "full", description="full: shard over every rank; hybrid: shard within a node, replicate across nodes")
+        "full", description="full: shard over every rank; hybrid: shard within a node, replicate across nodes"
+    )
     reshard_after_forward: bool = Field(
-        True, description="free gathered parameters after forward (gathered again in backward): less memory, more traffic")
+        True,
+        description="free gathered parameters after forward (gathered again in backward): less memory, more traffic",
+    )
     wrap: list[str] | None = Field(
-        None, description="class names of the submodules sharded as units (e.g. [TransformerBlock]); "
-                          "default: each child module of the model (containers are looked into)")
-    cpu_offload: bool = Field(False, description="keep sharded parameters, gradients and optimizer state in host memory (GPU only)")
+        None,
+        description="class names of the submodules sharded as units (e.g. [TransformerBlock]); "
+        "default: each child module of the model (containers are looked into)",
+    )
+    cpu_offload: bool = Field(
+        False, description="keep sharded parameters, gradients and optimizer state in host memory (GPU only)"
+    )
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="with precision bf16-mixed: the dtype parameters are gathered in for forward and backward "
-                            "(autocast computes in bfloat16 either way; gradients are reduced in float32). bfloat16 "
-                            "halves the all-gather traffic and the unsharded parameters' memory; on CPU, whose "
-                            "autocast leaves norm layers to their inputs' dtype, it fails on modules that mix float32 "
-                            "activations with bfloat16 norm weights. auto: bfloat16 on GPUs, float32 on CPU")
+        "auto",
+        description="with precision bf16-mixed: the dtype parameters are gathered in for forward and backward "
+        "(autocast computes in bfloat16 either way; gradients are reduced in float32). bfloat16 "
+        "halves the all-gather traffic and the unsharded parameters' memory; on CPU, whose "
+        "autocast leaves norm layers to their inputs' dtype, it fails on modules that mix float32 "
+        "activations with bfloat16 norm weights. auto: bfloat16 on GPUs, float32 on CPU",
+    )
 
 
 class FSDPStrategy(DDPStrategy):
@@ -58,28 +67,34 @@ class FSDPStrategy(DDPStrategy):
     Options = FSDPOptions
     routes_all_steps = True
     _checkpoint_group: Any = None
-    _views: "_ViewOutputs | None" = None
+    _views: _ViewOutputs | None = None
 
     def setup(self) -> None:
         super().setup()
         if self.options.sharding == "hybrid" and self.env.num_nodes < 2:
             raise ConfigError(
                 f"trainer.strategy_options.sharding: 'hybrid' shards within a node and replicates across nodes, but "
-                f"this job has one node ({self.world_size} ranks); use 'full', or launch on several nodes (--nnodes)")
+                f"this job has one node ({self.world_size} ranks); use 'full', or launch on several nodes (--nnodes)"
+            )
         if self.options.sharding == "hybrid" and self.world_size != self.env.num_nodes * self.env.local_world_size:
             raise ConfigError(
                 f"trainer.strategy_options.sharding: 'hybrid' needs the same number of ranks on every node; this job "
-                f"has {self.world_size} ranks, {self.env.local_world_size} on this node; use 'full'")
+                f"has {self.world_size} ranks, {self.env.local_world_size} on this node; use 'full'"
+            )
         if self._group_ready():
             import torch.distributed as dist
 
             if self.is_global_zero:
-                layout = (f"hybrid sharding, {self.env.num_nodes} node(s) x {self.env.local_world_size} rank(s)"
-                          if self.options.sharding == "hybrid" else f"full sharding, {self.world_size} rank(s)")
+                layout = (
+                    f"hybrid sharding, {self.env.num_nodes} node(s) x {self.env.local_world_size} rank(s)"
+                    if self.options.sharding == "hybrid"
+                    else f"full sharding, {self.world_size} rank(s)"
+                )
                 log.info("fsdp: %s", layout)
             # checkpoint writes run their collectives on DCP's background thread: a group of their own, on the host
             self._checkpoint_group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s))
+                backend="gloo", timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s)
+            )
 
     def teardown(self) -> None:
         import torch.distributed as dist
@@ -90,11 +105,14 @@ class FSDPStrategy(DDPStrategy):
         super().teardown()
 
     # ---- training -------------------------------------------------------------------------
-    def setup_module_and_optimizer(self, step_module: Any, optimizer: Any, device: Any, precision: Any,
-                                   accumulate: int) -> tuple[Any, Any]:
+    def setup_module_and_optimizer(
+        self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
+    ) -> tuple[Any, Any]:
         if precision.name == "16-mixed":
-            raise ConfigError("trainer.precision: received '16-mixed', which fsdp does not support (float16 loss "
-                              "scaling over sharded gradients); use 'bf16-mixed' or '32-true'")
+            raise ConfigError(
+                "trainer.precision: received '16-mixed', which fsdp does not support (float16 loss "
+                "scaling over sharded gradients); use 'bf16-mixed' or '32-true'"
+            )
         before = {id(p): name for name, p in step_module.named_parameters()}
         wrapped, optimizer = super().setup_module_and_optimizer(step_module, optimizer, device, precision, accumulate)
         if wrapped is not step_module or not self._group_ready():
@@ -104,15 +122,19 @@ class FSDPStrategy(DDPStrategy):
             try:
                 group["params"][:] = [sharded[before[id(p)]] for p in group["params"]]
             except KeyError:
-                raise ConfigError("configure_optimizers(): the optimizer holds a tensor that is not a parameter of "
-                                  "the module; fsdp shards only the module's parameters") from None
+                raise ConfigError(
+                    "configure_optimizers(): the optimizer holds a tensor that is not a parameter of "
+                    "the module; fsdp shards only the module's parameters"
+                ) from None
         return wrapped, optimizer
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         opts = self.options
         if opts.cpu_offload and device.type == "cpu":
-            raise ConfigError("trainer.strategy_options.cpu_offload: true needs a GPU (on CPU the state is in host "
-                              "memory already); set it false or train on GPUs")
+            raise ConfigError(
+                "trainer.strategy_options.cpu_offload: true needs a GPU (on CPU the state is in host "
+                "memory already); set it false or train on GPUs"
+            )
         units = self._units(step_module.module)  # checked at any world size: a wrong class name is refused
         if not self._group_ready():
             return step_module
@@ -120,8 +142,11 @@ class FSDPStrategy(DDPStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mesh = self._mesh(device)
-        settings: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": opts.reshard_after_forward,
-                                    "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1))}
+        settings: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": opts.reshard_after_forward,
+            "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1)),
+        }
         if self.precision.name == "bf16-mixed" and self._param_dtype(device) == "bfloat16":
             settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if opts.cpu_offload:
@@ -131,12 +156,20 @@ class FSDPStrategy(DDPStrategy):
         fully_shard(step_module, **settings)  # the root: what no unit holds, and the step's entry
         for rnn in (m for m in step_module.modules() if isinstance(m, torch.nn.RNNBase)):
             rnn.register_forward_pre_hook(_gathered_rnn_weights)
-        self._views = _ViewOutputs([(f"{type(step_module.module).__name__}'s step", step_module),
-                                    *((_unit_name(unit), unit) for unit in units)])
+        self._views = _ViewOutputs(
+            [
+                (f"{type(step_module.module).__name__}'s step", step_module),
+                *((_unit_name(unit), unit) for unit in units),
+            ]
+        )
         if self.is_global_zero:
             gathered = self._param_dtype(device) if self.precision.name == "bf16-mixed" else "float32"
-            log.info("fsdp: %d unit(s) sharded (%s), parameters gathered in %s", len(units),
-                     ", ".join(sorted({_unit_name(u) for u in units})) or "the root only", gathered)
+            log.info(
+                "fsdp: %d unit(s) sharded (%s), parameters gathered in %s",
+                len(units),
+                ", ".join(sorted({_unit_name(u) for u in units})) or "the root only",
+                gathered,
+            )
         return step_module
 
     def _param_dtype(self, device: Any) -> str:
@@ -171,8 +204,10 @@ class FSDPStrategy(DDPStrategy):
         missing = sorted(set(wanted) - {type(m).__name__ for m in found})
         if missing:
             classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
-            raise ConfigError(f"trainer.strategy_options.wrap: {', '.join(missing)} names no submodule of "
-                              f"{type(model).__name__}; its submodule classes are: {', '.join(classes)}")
+            raise ConfigError(
+                f"trainer.strategy_options.wrap: {', '.join(missing)} names no submodule of "
+                f"{type(model).__name__}; its submodule classes are: {', '.join(classes)}"
+            )
         return list(reversed(found))
 
     def accumulating(self, wrapped: Any) -> ContextManager[Any]:
@@ -210,10 +245,12 @@ class FSDPStrategy(DDPStrategy):
         from torch.distributed.tensor import DTensor
 
         self.copy_from_rank_zero(
-            {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)})
+            {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)}
+        )
 
-    def start_sharded_write(self, state: dict[str, Any], url: str,
-                            storage_options: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:
+    def start_sharded_write(
+        self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
+    ) -> tuple[dict[str, Any], Future | None]:
         if self._checkpoint_group is None:
             return super().start_sharded_write(state, url, storage_options)
         shards = {key: state[key] for key in ("model", "optimizer")}
@@ -221,20 +258,26 @@ class FSDPStrategy(DDPStrategy):
         rest[sharded_state.SHARDS] = sharded_state.SHARDS  # read_checkpoint makes it the shards' URL
         return rest, sharded_state.start_save(shards, url, storage_options, self._checkpoint_group)
 
-    def load_training_state(self, module: Any, optimizer: Any, state: dict[str, Any],
-                            storage_options: dict[str, Any]) -> None:
+    def load_training_state(
+        self, module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]
+    ) -> None:
         if not _is_sharded(module):  # e.g. validate/test/predict, which run the whole model
             return super().load_training_state(module, optimizer, state, storage_options)
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         owner = sharded_state.state_module(module)
         if sharded_state.SHARDS not in state:  # a whole checkpoint (single, ddp, horovod): each rank keeps its part
             whole = StateDictOptions(full_state_dict=True)
             set_model_state_dict(owner, state["model"], options=whole)
-            set_optimizer_state_dict(owner, optimizer, sharded_state.by_name(state["optimizer"], optimizer, module),
-                                     options=whole)
+            set_optimizer_state_dict(
+                owner, optimizer, sharded_state.by_name(state["optimizer"], optimizer, module), options=whole
+            )
             return
         url = state[sharded_state.SHARDS]
         mine = {"model": get_model_state_dict(owner), "optimizer": get_optimizer_state_dict(owner, optimizer)}
@@ -244,7 +287,8 @@ class FSDPStrategy(DDPStrategy):
             raise CheckpointNotFoundError(
                 f"--ckpt-path: rank {self.rank} cannot read the fsdp shards at {url} ({type(exc).__name__}: "
                 f"{first_line(exc)}); every rank reads them: put trainer.checkpoint.dir on storage every host can "
-                "read (a shared disk or s3://)") from None
+                "read (a shared disk or s3://)"
+            ) from None
         set_model_state_dict(owner, mine["model"])
         set_optimizer_state_dict(owner, optimizer, mine["optimizer"])
 
@@ -253,8 +297,9 @@ class FSDPStrategy(DDPStrategy):
             return super().full_model_state(module)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(sharded_state.state_module(module),
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            sharded_state.state_module(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
 
 class _ViewOutputs:
@@ -290,7 +335,8 @@ class _ViewOutputs:
                 raise ConfigError(
                     f"fsdp: the output of {name} (an FSDP unit; the output is a view) was modified in place before "
                     "backward; FSDP2 then skips gathering that unit's parameters for backward (wrong gradients): use "
-                    "out-of-place ops on it (out = out + y, not out += y) or .clone() it first")
+                    "out-of-place ops on it (out = out + y, not out += y) or .clone() it first"
+                )
 
 
 def _tensors(output: Any) -> Iterator[Any]:

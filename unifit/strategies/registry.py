@@ -35,29 +35,70 @@ def register(entry: StrategyEntry) -> None:
     _REGISTRY[entry.name] = entry
 
 
-register(StrategyEntry(
-    "single", "unifit.strategies.single:SingleStrategy", "unifit.strategies.launchers.base:SingleProcessLauncher",
-    frozenset({"torch", "tensorflow"}), "one process, one device"))
-register(StrategyEntry(
-    "ddp", "unifit.strategies.ddp:DDPStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
-    frozenset({"torch"}), "PyTorch DistributedDataParallel, launched by torchrun"))
-register(StrategyEntry(
-    "smddp-like", "unifit.strategies.smddp:SMDDPLikeStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
-    frozenset({"torch"}), "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)"))
+register(
+    StrategyEntry(
+        "single",
+        "unifit.strategies.single:SingleStrategy",
+        "unifit.strategies.launchers.base:SingleProcessLauncher",
+        frozenset({"torch", "tensorflow"}),
+        "one process, one device",
+    )
+)
+register(
+    StrategyEntry(
+        "ddp",
+        "unifit.strategies.ddp:DDPStrategy",
+        "unifit.strategies.launchers.torchrun:TorchrunLauncher",
+        frozenset({"torch"}),
+        "PyTorch DistributedDataParallel, launched by torchrun",
+    )
+)
+register(
+    StrategyEntry(
+        "smddp-like",
+        "unifit.strategies.smddp:SMDDPLikeStrategy",
+        "unifit.strategies.launchers.torchrun:TorchrunLauncher",
+        frozenset({"torch"}),
+        "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)",
+    )
+)
 
-register(StrategyEntry(
-    "fsdp", "unifit.strategies.fsdp:FSDPStrategy", "unifit.strategies.launchers.torchrun:TorchrunLauncher",
-    frozenset({"torch"}), "PyTorch FSDP2: parameters, gradients and optimizer state sharded over the ranks"))
-register(StrategyEntry(
-    "horovod", "unifit.strategies.horovod.strategy:HorovodStrategy",
-    "unifit.strategies.launchers.horovodrun:HorovodrunLauncher",
-    frozenset({"torch", "tensorflow"}), "Horovod ring-allreduce, launched by horovodrun"))
-register(StrategyEntry(
-    "mirrored", "unifit.strategies.tf_distribute:MirroredStrategy", "unifit.strategies.launchers.base:SingleProcessLauncher",
-    frozenset({"tensorflow"}), "TensorFlow MirroredStrategy: one process, all local devices"))
-register(StrategyEntry(
-    "mwms", "unifit.strategies.tf_distribute:MWMSStrategy", "unifit.strategies.launchers.tf_config:TFConfigLauncher",
-    frozenset({"tensorflow"}), "TensorFlow MultiWorkerMirroredStrategy: one process per worker (TF_CONFIG)"))
+register(
+    StrategyEntry(
+        "fsdp",
+        "unifit.strategies.fsdp:FSDPStrategy",
+        "unifit.strategies.launchers.torchrun:TorchrunLauncher",
+        frozenset({"torch"}),
+        "PyTorch FSDP2: parameters, gradients and optimizer state sharded over the ranks",
+    )
+)
+register(
+    StrategyEntry(
+        "horovod",
+        "unifit.strategies.horovod.strategy:HorovodStrategy",
+        "unifit.strategies.launchers.horovodrun:HorovodrunLauncher",
+        frozenset({"torch", "tensorflow"}),
+        "Horovod ring-allreduce, launched by horovodrun",
+    )
+)
+register(
+    StrategyEntry(
+        "mirrored",
+        "unifit.strategies.tf_distribute:MirroredStrategy",
+        "unifit.strategies.launchers.base:SingleProcessLauncher",
+        frozenset({"tensorflow"}),
+        "TensorFlow MirroredStrategy: one process, all local devices",
+    )
+)
+register(
+    StrategyEntry(
+        "mwms",
+        "unifit.strategies.tf_distribute:MWMSStrategy",
+        "unifit.strategies.launchers.tf_config:TFConfigLauncher",
+        frozenset({"tensorflow"}),
+        "TensorFlow MultiWorkerMirroredStrategy: one process per worker (TF_CONFIG)",
+    )
+)
 
 
 def names() -> list[str]:
@@ -70,8 +111,10 @@ def entry(name: str) -> StrategyEntry:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if "." not in name and ":" not in name:
-        raise ConfigError(f"trainer.strategy: unknown strategy '{name}'; valid strategies: {', '.join(_REGISTRY)}, "
-                          "or the class path of a Strategy subclass (pkg.module:MyStrategy)")
+        raise ConfigError(
+            f"trainer.strategy: unknown strategy '{name}'; valid strategies: {', '.join(_REGISTRY)}, "
+            "or the class path of a Strategy subclass (pkg.module:MyStrategy)"
+        )
     return _entry_of_class(name)
 
 
@@ -82,23 +125,28 @@ def _entry_of_class(path: str) -> StrategyEntry:
 
     cls = load_object(path, field="trainer.strategy")
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-        raise ConfigError(f"trainer.strategy: '{path}' is {cls!r}, not a subclass of unifit.strategies.Strategy; "
-                          "name a registered strategy or your Strategy subclass")
-    frameworks = frozenset({fw for fw, mixin in (("torch", TorchTraining), ("tensorflow", KerasTraining))
-                            if issubclass(cls, mixin)})
+        raise ConfigError(
+            f"trainer.strategy: '{path}' is {cls!r}, not a subclass of unifit.strategies.Strategy; "
+            "name a registered strategy or your Strategy subclass"
+        )
+    frameworks = frozenset(
+        {fw for fw, mixin in (("torch", TorchTraining), ("tensorflow", KerasTraining)) if issubclass(cls, mixin)}
+    )
     if not frameworks:
-        raise ConfigError(f"trainer.strategy: {cls.__name__} trains no framework; mix in "
-                          "unifit.strategies.torch_training.TorchTraining and/or keras_training.KerasTraining")
+        raise ConfigError(
+            f"trainer.strategy: {cls.__name__} trains no framework; mix in "
+            "unifit.strategies.torch_training.TorchTraining and/or keras_training.KerasTraining"
+        )
     return StrategyEntry(path, path, cls.launcher, frameworks, (cls.__doc__ or path).strip().splitlines()[0])
 
 
-def create(name: str, env: "ClusterEnvironment", **kwargs: object) -> "Strategy":
+def create(name: str, env: ClusterEnvironment, **kwargs: object) -> Strategy:
     found = entry(name)
     cls = load_object(found.strategy, field="trainer.strategy")
     return cls(env, **kwargs)
 
 
-def claim_process(name: str, env: "ClusterEnvironment", **kwargs: object) -> None:
+def claim_process(name: str, env: ClusterEnvironment, **kwargs: object) -> None:
     """What strategy `name` must set up before its framework's first operation in this process (when
     the Trainer is made); strategies that need nothing are not even created."""
     from unifit.strategies.base import Strategy
@@ -108,7 +156,7 @@ def claim_process(name: str, env: "ClusterEnvironment", **kwargs: object) -> Non
         cls(env, **kwargs).claim_process()
 
 
-def launcher(name: str) -> "Launcher":
+def launcher(name: str) -> Launcher:
     return load_object(entry(name).launcher, field="trainer.strategy")(name)
 
 

@@ -47,8 +47,9 @@ def read_whole(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     whole: dict[str, Any] = {}
-    _load_state_dict(whole, storage_reader=FsspecReader(url, **storage_options),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(
+        whole, storage_reader=FsspecReader(url, **storage_options), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     return whole
 
 
@@ -57,15 +58,19 @@ def by_name(optimizer_state: dict[str, Any], optimizer: Any, module: Any) -> dic
     torch.distributed.checkpoint.state_dict reads. Indices count the optimizer's parameters in
     group order, which is the order of `optimizer.param_groups` here as where it was saved."""
     names = _names_in_group_order(optimizer, module)
-    return {"state": {names[i]: s for i, s in optimizer_state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
+    return {
+        "state": {names[i]: s for i, s in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]],
+    }
 
 
 def by_index(optimizer_state: dict[str, Any], optimizer: Any, module: Any) -> dict[str, Any]:
     """The inverse of `by_name`: what `optimizer.load_state_dict` takes."""
     index = {name: i for i, name in enumerate(_names_in_group_order(optimizer, module))}
-    return {"state": {index[n]: s for n, s in optimizer_state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]]}
+    return {
+        "state": {index[n]: s for n, s in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optimizer_state["param_groups"]],
+    }
 
 
 def _names_in_group_order(optimizer: Any, module: Any) -> list[str]:

@@ -36,8 +36,10 @@ class SMDDPOptions(DDPOptions):
 
 
 def smddp_available() -> bool:
-    return importlib.util.find_spec("smdistributed") is not None and \
-        importlib.util.find_spec("smdistributed.dataparallel") is not None
+    return (
+        importlib.util.find_spec("smdistributed") is not None
+        and importlib.util.find_spec("smdistributed.dataparallel") is not None
+    )
 
 
 class Topology:
@@ -47,7 +49,8 @@ class Topology:
         if local_size < 1 or world_size % local_size:
             raise ConfigError(
                 f"smddp-like: world size {world_size} is not a multiple of the ranks per node ({local_size}); "
-                "start the same number of processes on every node (or fix strategy_options.local_world_size)")
+                "start the same number of processes on every node (or fix strategy_options.local_world_size)"
+            )
         self.world_size, self.local_size, self.rank = world_size, local_size, rank
         self.nodes = world_size // local_size
         self.node = rank // local_size
@@ -128,10 +131,13 @@ class SMDDPLikeStrategy(DDPStrategy):
 
     def setup(self) -> None:
         self.use_smddp = self.options.implementation == "smddp" or (
-            self.options.implementation == "auto" and smddp_available())
+            self.options.implementation == "auto" and smddp_available()
+        )
         if self.options.implementation == "smddp" and not smddp_available():
-            raise ConfigError("trainer.strategy_options.implementation: 'smddp' needs smdistributed.dataparallel "
-                              "(SageMaker's library, present in SageMaker's training containers); use 'auto'")
+            raise ConfigError(
+                "trainer.strategy_options.implementation: 'smddp' needs smdistributed.dataparallel "
+                "(SageMaker's library, present in SageMaker's training containers); use 'auto'"
+            )
         local = self.options.local_world_size or self.env.local_world_size
         self.topology = Topology(self.world_size, local, self.rank)
         if self.local_rank >= local and self.options.local_world_size is None:
@@ -142,10 +148,14 @@ class SMDDPLikeStrategy(DDPStrategy):
         self._hook = None
         if self._group_ready() and not self.use_smddp and self.topology.nodes > 1 and self.topology.local_size > 1:
             self._hook = HierarchicalAllReduce(self.topology)
-        log.info("smddp-like: %s, %d node(s) x %d rank(s)",
-                 "smddp backend" if self.use_smddp else
-                 ("hierarchical allreduce" if self._hook else "flat allreduce (nothing to gain from a hierarchy)"),
-                 self.topology.nodes, self.topology.local_size)
+        log.info(
+            "smddp-like: %s, %d node(s) x %d rank(s)",
+            "smddp backend"
+            if self.use_smddp
+            else ("hierarchical allreduce" if self._hook else "flat allreduce (nothing to gain from a hierarchy)"),
+            self.topology.nodes,
+            self.topology.local_size,
+        )
 
     def _init_kwargs(self) -> dict[str, Any]:
         return {} if self.use_smddp else super()._init_kwargs()  # smddp reads the MPI environment itself

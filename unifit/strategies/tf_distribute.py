@@ -31,9 +31,10 @@ from unifit.strategies.base import Strategy
 from unifit.strategies.keras_training import KerasTraining
 from unifit.strategies.watchdog import CollectiveWatchdog
 
-
-_TF_STARTED = ("TensorFlow started before the Trainer was made (a model, layer, tensor or tf.data pipeline was "
-               "built first); make the Trainer at the top of the script, before anything else uses TensorFlow")
+_TF_STARTED = (
+    "TensorFlow started before the Trainer was made (a model, layer, tensor or tf.data pipeline was "
+    "built first); make the Trainer at the top of the script, before anything else uses TensorFlow"
+)
 
 
 class TFDistributeStrategy(Strategy, KerasTraining):
@@ -77,16 +78,25 @@ class TFDistributeStrategy(Strategy, KerasTraining):
             with self.collective_guard(f"all_reduce {op.lower()}"):
                 if op == "SUM":  # each local replica holds x / local replicas, so the sum counts it once
                     per_replica = strategy.experimental_distribute_values_from_function(
-                        lambda ctx: tf.constant(x / local_replicas))
+                        lambda ctx: tf.constant(x / local_replicas)
+                    )
                     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
-                gather = self.__dict__.setdefault("_gather_fn", tf.function(lambda v: strategy.run(
-                    lambda y: tf.distribute.get_replica_context().all_gather(y[tf.newaxis], axis=0), args=(v,))))
+                gather = self.__dict__.setdefault(
+                    "_gather_fn",
+                    tf.function(
+                        lambda v: strategy.run(
+                            lambda y: tf.distribute.get_replica_context().all_gather(y[tf.newaxis], axis=0), args=(v,)
+                        )
+                    ),
+                )
                 result = gather(strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(x)))
                 return strategy.experimental_local_results(result)[0].numpy().max(axis=0)
         except tf.errors.OpError as exc:
-            raise DistributedError(f"{self.name}: a collective across workers failed ({type(exc).__name__}: "
-                                   f"{first_line(exc)}); a worker is gone or unreachable: check the worker "
-                                   "addresses (TF_CONFIG)") from None
+            raise DistributedError(
+                f"{self.name}: a collective across workers failed ({type(exc).__name__}: "
+                f"{first_line(exc)}); a worker is gone or unreachable: check the worker "
+                "addresses (TF_CONFIG)"
+            ) from None
 
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:
         return self._all_reduce(values, "SUM")
@@ -146,22 +156,28 @@ class MirroredStrategy(TFDistributeStrategy):
             raise ConfigError("trainer.accelerator: received 'gpu', but TensorFlow sees no GPU; use 'auto' or 'cpu'")
         if gpus:
             if wanted and wanted > len(gpus):
-                raise ConfigError(f"trainer.strategy_options.devices: received {wanted}, but only {len(gpus)} GPUs are "
-                                  f"visible; set devices to at most {len(gpus)} (or leave it out to use all)")
+                raise ConfigError(
+                    f"trainer.strategy_options.devices: received {wanted}, but only {len(gpus)} GPUs are "
+                    f"visible; set devices to at most {len(gpus)} (or leave it out to use all)"
+                )
             return [f"/gpu:{i}" for i in range(wanted or len(gpus))]
         count = wanted or 1
         cores = os.cpu_count() or 1
         if count > cores:
-            raise ConfigError(f"trainer.strategy_options.devices: received {count}, but this machine has {cores} "
-                              f"CPU cores; set devices to at most {cores} logical CPU devices")
+            raise ConfigError(
+                f"trainer.strategy_options.devices: received {count}, but this machine has {cores} "
+                f"CPU cores; set devices to at most {cores} logical CPU devices"
+            )
         cpu = tf.config.list_physical_devices("CPU")[0]
         try:
             tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
         except RuntimeError:
             have = len(tf.config.list_logical_devices("CPU"))
             if have != count:
-                raise ConfigError(f"trainer.strategy_options.devices: {count} logical CPUs were asked for, but "
-                                  f"{_TF_STARTED} (it started with {have})") from None
+                raise ConfigError(
+                    f"trainer.strategy_options.devices: {count} logical CPUs were asked for, but "
+                    f"{_TF_STARTED} (it started with {have})"
+                ) from None
         return [f"/cpu:{i}" for i in range(count)]
 
     def _make(self) -> Any:
@@ -216,11 +232,13 @@ class MWMSStrategy(TFDistributeStrategy):
             raise ConfigError(
                 f"trainer.strategy: mwms: this process is one of {self.world_size} ({self.env.source}), but TF_CONFIG "
                 "is not set, so each would train alone; start the workers with: unifit launch --nproc-per-node N "
-                "(it writes TF_CONFIG), see docs/clusters.md")
+                "(it writes TF_CONFIG), see docs/clusters.md"
+            )
         if self.world_size == 1 and "TF_CONFIG" not in os.environ:
             logging.getLogger("unifit").warning(
                 "mwms: TF_CONFIG is not set, running a single worker; start N workers with: "
-                "unifit launch --nproc-per-node N -c <experiment.yaml>")
+                "unifit launch --nproc-per-node N -c <experiment.yaml>"
+            )
         # no timeout_seconds: TensorFlow would start a sleeping thread per collective (see the module docstring)
         options = tf.distribute.experimental.CommunicationOptions()
         # TensorFlow waits without a limit (holding the GIL) for every worker to connect: a watchdog
@@ -237,11 +255,15 @@ class MWMSStrategy(TFDistributeStrategy):
             watchdog.wait()
 
     def _watchdog(self) -> subprocess.Popen:
-        message = (f"{error_prefix(self.rank)}mwms: not every worker connected within "
-                   f"{self.collective_timeout_s:g}s, a worker is gone or unreachable; check the worker addresses in "
-                   f"TF_CONFIG ({os.environ.get('TF_CONFIG', '')}) and that every worker was started")
-        code = ("import os, signal, sys, time\n"
-                f"time.sleep({self.collective_timeout_s!r})\n"
-                f"print({message!r}, file=sys.stderr, flush=True)\n"
-                f"os.kill({os.getpid()}, signal.SIGKILL)\n")
+        message = (
+            f"{error_prefix(self.rank)}mwms: not every worker connected within "
+            f"{self.collective_timeout_s:g}s, a worker is gone or unreachable; check the worker addresses in "
+            f"TF_CONFIG ({os.environ.get('TF_CONFIG', '')}) and that every worker was started"
+        )
+        code = (
+            "import os, signal, sys, time\n"
+            f"time.sleep({self.collective_timeout_s!r})\n"
+            f"print({message!r}, file=sys.stderr, flush=True)\n"
+            f"os.kill({os.getpid()}, signal.SIGKILL)\n"
+        )
         return subprocess.Popen([sys.executable, "-c", code])

@@ -28,8 +28,9 @@ class TorchTraining:
     # too) must go through it, not straight to the module's method
     routes_all_steps = False
 
-    def setup_module_and_optimizer(self, step_module: Any, optimizer: Any, device: Any, precision: Any,
-                                   accumulate: int) -> tuple[Any, Any]:
+    def setup_module_and_optimizer(
+        self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
+    ) -> tuple[Any, Any]:
         """(module to call for a step, optimizer to step): both wrapped for this strategy.
         `step_module.module` is the user's module, already on `device` with rank 0's initial state
         wherever the strategy broadcasts it."""
@@ -77,14 +78,16 @@ class TorchTraining:
         """The model's and optimizer's state for a checkpoint (this rank's shards, where sharded)."""
         return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
 
-    def start_sharded_write(self, state: dict[str, Any], url: str,
-                            storage_options: dict[str, Any]) -> tuple[dict[str, Any], Future | None]:
+    def start_sharded_write(
+        self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
+    ) -> tuple[dict[str, Any], Future | None]:
         """(what rank 0 writes in state.pt, this rank's write of its shards to `url`, already started).
         Unsharded state is all rank 0's to write: nothing to start."""
         return state, None
 
-    def load_training_state(self, module: Any, optimizer: Any, state: dict[str, Any],
-                            storage_options: dict[str, Any]) -> None:
+    def load_training_state(
+        self, module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]
+    ) -> None:
         """Load a checkpoint's model (and optimizer, unless None) state. One written by a sharded
         strategy is read whole on this process, so its checkpoints resume here too."""
         if sharded_state.SHARDS in state:

@@ -49,6 +49,7 @@ class CollectiveWatchdog:
                 sys.stderr.write(
                     f"{self.prefix}{what} did not finish within trainer.collective_timeout_s="
                     f"{self.timeout_s:g}s; another rank failed, or did not join it (every rank must call the same "
-                    "collectives, e.g. do not call save_checkpoint inside 'if rank == 0')\n")
+                    "collectives, e.g. do not call save_checkpoint inside 'if rank == 0')\n"
+                )
                 sys.stderr.flush()
                 os._exit(1)

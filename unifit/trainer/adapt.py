@@ -17,8 +17,10 @@ from unifit.callbacks.lightning_hooks import LightningHooks
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
 
-_ACCEPTED = ("a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass, a lightning "
-             "LightningModule, or a compiled keras.Model")
+_ACCEPTED = (
+    "a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass, a lightning "
+    "LightningModule, or a compiled keras.Model"
+)
 
 
 def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:
@@ -30,8 +32,13 @@ def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any,
     given, (module, data) = module, trainable(module, data)
     registry.check_framework(config.strategy, module.framework, type(given).__name__)
     strategy = registry.create(
-        config.strategy, environment.detect(), framework=module.framework, accelerator=config.accelerator,
-        collective_timeout_s=config.collective_timeout_s, options=config.strategy_options)
+        config.strategy,
+        environment.detect(),
+        framework=module.framework,
+        accelerator=config.accelerator,
+        collective_timeout_s=config.collective_timeout_s,
+        options=config.strategy_options,
+    )
     engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, config)
     return module, strategy, engine
 
@@ -62,7 +69,8 @@ def trainable(module: Any, data: Any = None) -> tuple[ModuleBase, Any]:
 def is_keras_model(obj: Any) -> bool:
     """A Keras 3 keras.Model instance, checked by class name so that TensorFlow is not imported to ask."""
     return not isinstance(obj, type) and any(
-        c.__name__ == "Model" and c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__)
+        c.__name__ == "Model" and c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__
+    )
 
 
 class KerasWeightsBack(Callback):

@@ -17,8 +17,9 @@ from unifit.trainer.checkpoint_store import CheckpointStore
 log = logging.getLogger("unifit")
 
 
-def read_committed(spec: str, engine: Any, strategy: Any, store: CheckpointStore,
-                   storage_options: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def read_committed(
+    spec: str, engine: Any, strategy: Any, store: CheckpointStore, storage_options: dict[str, Any]
+) -> tuple[dict[str, Any] | None, str | None]:
     """(payload, path) of the checkpoint `spec` names, the same on every rank; (None, None) when
     'auto' finds none."""
 
@@ -30,8 +31,12 @@ def read_committed(spec: str, engine: Any, strategy: Any, store: CheckpointStore
             except Exception as exc:
                 if i + 1 == len(candidates):
                     raise
-                log.warning("checkpoint %s cannot be read (%s: %s); using the previous committed one",
-                            path, type(exc).__name__, first_line(exc))
+                log.warning(
+                    "checkpoint %s cannot be read (%s: %s); using the previous committed one",
+                    path,
+                    type(exc).__name__,
+                    first_line(exc),
+                )
         log.info("--ckpt-path %s: no committed checkpoint in %s; starting fresh", spec, store.url)
         return None, None
 

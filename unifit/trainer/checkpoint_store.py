@@ -51,8 +51,9 @@ class CheckpointStore:
         if not self._renames and self.fs.exists(final):
             self.fs.rm(final, recursive=True)
 
-    def save(self, name: str, write: Callable[[Any, str], None], meta: dict[str, Any],
-             directory: str | None = None) -> str:
+    def save(
+        self, name: str, write: Callable[[Any, str], None], meta: dict[str, Any], directory: str | None = None
+    ) -> str:
         """Write one checkpoint with `write(fs, directory)` and commit it; returns its path. The
         trainer calls it on the committer's writer thread, with bytes already snapshotted; where a
         sharded strategy's ranks wrote their shards in `directory` (write_dir) already, they are
@@ -160,14 +161,16 @@ class CheckpointStore:
             if pointer is None or not self.fs.exists(f"{self.path(pointer['name'])}/{MARKER}"):
                 raise CheckpointNotFoundError(
                     f"--ckpt-path {spec}: no committed checkpoint in '{self.url}'; "
-                    "train without --ckpt-path first, or point trainer.checkpoint.dir at the run to resume")
+                    "train without --ckpt-path first, or point trainer.checkpoint.dir at the run to resume"
+                )
             return self.fs, self.path(pointer["name"])
         self.fs.invalidate_cache()
         fs, path = (self.fs, self.path(spec)) if _NAME.match(spec) else filesystem(spec, self.storage_options)
         if not fs.exists(f"{path.rstrip('/')}/{MARKER}"):
             raise CheckpointNotFoundError(
                 f"--ckpt-path {spec}: not a committed checkpoint (no {MARKER}); "
-                "use 'last', 'best' or a checkpoint directory written by unifit")
+                "use 'last', 'best' or a checkpoint directory written by unifit"
+            )
         return fs, path.rstrip("/")
 
     def _read_json(self, path: str) -> dict[str, Any] | None:

@@ -39,25 +39,43 @@ def _parser() -> argparse.ArgumentParser:
 
     fit = sub.add_parser("fit", help="train (in this process; under torchrun/horovodrun in each rank)")
     experiment_args(fit)
-    fit.add_argument("--ckpt-path", default=None, help="resume: 'auto' (last committed checkpoint, else start fresh), 'last', 'best', a checkpoint name or directory")
+    fit.add_argument(
+        "--ckpt-path",
+        default=None,
+        help="resume: 'auto' (last committed checkpoint, else start fresh), 'last', 'best', a checkpoint name or directory",
+    )
     show = sub.add_parser("print-config", help="print the fully resolved config")
     experiment_args(show)
     launch = sub.add_parser("launch", help="start the processes of the configured strategy (torchrun, ...)")
     experiment_args(launch, required=False)
-    launch.add_argument("--strategy", default=None,
-                        help="with '-- SCRIPT.py [ARGS]' instead of -c: the strategy whose processes run the script "
-                             "(its Trainer takes this strategy when it names none)")
+    launch.add_argument(
+        "--strategy",
+        default=None,
+        help="with '-- SCRIPT.py [ARGS]' instead of -c: the strategy whose processes run the script "
+        "(its Trainer takes this strategy when it names none)",
+    )
     for stage in ("validate", "test", "predict"):
         run = sub.add_parser(stage, help=f"{stage} with a checkpoint's weights, sharded over the ranks")
         experiment_args(run)
-        run.add_argument("--ckpt-path", default=None, help="'best', 'last', a checkpoint name or directory "
-                                                           "(default: the module's weights as built)")
+        run.add_argument(
+            "--ckpt-path",
+            default=None,
+            help="'best', 'last', a checkpoint name or directory (default: the module's weights as built)",
+        )
         if stage == "predict":
-            run.add_argument("--output", default=None, help="where rank 0 writes the predictions, in dataset order "
-                                                            "(.pt: torch.save, .npy: numpy, .pkl: pickle; local or "
-                                                            "s3://); default <root_dir>/predictions.pkl")
-    launch.add_argument("--run", default="fit", choices=("fit", "validate", "test", "predict"),
-                        help="what every started process runs (default: fit)")
+            run.add_argument(
+                "--output",
+                default=None,
+                help="where rank 0 writes the predictions, in dataset order "
+                "(.pt: torch.save, .npy: numpy, .pkl: pickle; local or "
+                "s3://); default <root_dir>/predictions.pkl",
+            )
+    launch.add_argument(
+        "--run",
+        default="fit",
+        choices=("fit", "validate", "test", "predict"),
+        help="what every started process runs (default: fit)",
+    )
     launch.add_argument("--output", default=None, help="with --run predict: as for predict")
     launch.add_argument("--nproc-per-node", type=int, default=1)
     launch.add_argument("--nnodes", type=int, default=1)
@@ -67,18 +85,30 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
     launch.add_argument("--hosts", default=None, help="comma-separated hosts, for mwms workers on several hosts")
     launch.add_argument("--ckpt-path", default=None, help="as for fit; with --max-restarts the default is 'auto'")
-    launch.add_argument("--max-restarts", type=int, default=0,
-                        help="restart every rank this many times after one fails, resuming from the last committed "
-                             "checkpoint (torchrun's elastic agent: ddp, smddp-like, fsdp)")
-    board = sub.add_parser("tensorboard", help="serve TensorBoard for logs on S3 or any fsspec URL (kept mirrored locally)")
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart every rank this many times after one fails, resuming from the last committed "
+        "checkpoint (torchrun's elastic agent: ddp, smddp-like, fsdp)",
+    )
+    board = sub.add_parser(
+        "tensorboard", help="serve TensorBoard for logs on S3 or any fsspec URL (kept mirrored locally)"
+    )
     board.add_argument("url", help="e.g. s3://bucket/run/tensorboard")
     board.add_argument("--host", default="127.0.0.1")
     board.add_argument("--port", type=int, default=6006)
     board.add_argument("--refresh-s", type=float, default=10.0, help="seconds between mirror refreshes")
-    board.add_argument("--storage-options", default="{}", help="fsspec options as YAML/JSON, e.g. '{endpoint_url: http://...}'")
+    board.add_argument(
+        "--storage-options", default="{}", help="fsspec options as YAML/JSON, e.g. '{endpoint_url: http://...}'"
+    )
     from unifit import plot  # light: matplotlib is imported only when plotting
 
-    plot.add_arguments(sub.add_parser("plot", help="draw the curves of run directories (metrics.jsonl) into a PNG, SVG, PDF or HTML file"))
+    plot.add_arguments(
+        sub.add_parser(
+            "plot", help="draw the curves of run directories (metrics.jsonl) into a PNG, SVG, PDF or HTML file"
+        )
+    )
     return parser
 
 
@@ -90,7 +120,8 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
         flag = items.pop(0)
         if not flag.startswith("--") or not flag[2:].startswith(_SECTIONS):
             raise ConfigError(
-                f"unknown argument '{flag}'; overrides look like --trainer.max_epochs 3 (sections: module, data, trainer)")
+                f"unknown argument '{flag}'; overrides look like --trainer.max_epochs 3 (sections: module, data, trainer)"
+            )
         key, eq, value = flag[2:].partition("=")
         if not eq:
             if not items:
@@ -135,8 +166,12 @@ def _evaluate(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         print(f"predict: {_count(result.predictions)} predictions written to {output}", flush=True)
     if result.metrics:
         write_metrics(result.metrics, result.checkpoint, f"{root}/{args.command}.json", options)
-        print(f"{args.command}: " + "  ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items()))
-              + f"  (all digits in {root}/{args.command}.json)", flush=True)
+        print(
+            f"{args.command}: "
+            + "  ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items()))
+            + f"  (all digits in {root}/{args.command}.json)",
+            flush=True,
+        )
     return 0
 
 
@@ -175,12 +210,25 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
     from unifit.strategies import registry
     from unifit.strategies.launchers.base import LaunchSpec
 
-    strategy = _script_strategy(args, overrides, script) if script else load_experiment(args.config, overrides).trainer.strategy
-    spec = LaunchSpec(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
-                      master_addr=args.master_addr, master_port=args.master_port,
-                      rdzv_endpoint=args.rdzv_endpoint, fit_args=fit_args, command=args.run,
-                      hosts=args.hosts.split(",") if args.hosts else None, max_restarts=args.max_restarts,
-                      script=script, env={LAUNCH_STRATEGY_ENV: strategy} if script else {})
+    strategy = (
+        _script_strategy(args, overrides, script)
+        if script
+        else load_experiment(args.config, overrides).trainer.strategy
+    )
+    spec = LaunchSpec(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        fit_args=fit_args,
+        command=args.run,
+        hosts=args.hosts.split(",") if args.hosts else None,
+        max_restarts=args.max_restarts,
+        script=script,
+        env={LAUNCH_STRATEGY_ENV: strategy} if script else {},
+    )
     if args.output and args.run != "predict":
         raise ConfigError(f"--output {args.output}: only --run predict writes predictions (received --run {args.run})")
     if spec.max_restarts < 0:
@@ -197,17 +245,25 @@ def _script_strategy(args: argparse.Namespace, overrides: dict[str, str], script
     from unifit.strategies import registry
 
     if args.config:
-        raise ConfigError(f"unifit launch: received -c {args.config} and a script ({script[0]}); give one: -c exp.yaml "
-                          "runs the experiment, '-- SCRIPT.py' runs a script that makes its own Trainer")
+        raise ConfigError(
+            f"unifit launch: received -c {args.config} and a script ({script[0]}); give one: -c exp.yaml "
+            "runs the experiment, '-- SCRIPT.py' runs a script that makes its own Trainer"
+        )
     if overrides or args.run != "fit" or args.output or args.ckpt_path:
-        raise ConfigError("unifit launch -- SCRIPT.py: the script sets its own options (Trainer(...), fit(...)); "
-                          "overrides, --run, --output and --ckpt-path apply to -c exp.yaml only")
+        raise ConfigError(
+            "unifit launch -- SCRIPT.py: the script sets its own options (Trainer(...), fit(...)); "
+            "overrides, --run, --output and --ckpt-path apply to -c exp.yaml only"
+        )
     if not args.strategy:
-        raise ConfigError(f"unifit launch -- {script[0]}: name the strategy whose processes run it, e.g. "
-                          f"unifit launch --nproc-per-node 2 --strategy ddp -- {' '.join(script)}")
+        raise ConfigError(
+            f"unifit launch -- {script[0]}: name the strategy whose processes run it, e.g. "
+            f"unifit launch --nproc-per-node 2 --strategy ddp -- {' '.join(script)}"
+        )
     if not script[0].endswith(".py") or not os.path.isfile(script[0]):
-        raise ConfigError(f"unifit launch -- {script[0]}: not a Python script file; give the path of a .py file "
-                          "(each process runs it with this Python)")
+        raise ConfigError(
+            f"unifit launch -- {script[0]}: not a Python script file; give the path of a .py file "
+            "(each process runs it with this Python)"
+        )
     registry.entry(args.strategy)
     return args.strategy
 
@@ -232,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     script: list[str] = []
     if argv[:1] == ["launch"] and "--" in argv:  # unifit launch [flags] -- SCRIPT.py [ARGS]
         at = argv.index("--")
-        argv, script = argv[:at], argv[at + 1:]
+        argv, script = argv[:at], argv[at + 1 :]
     args, extra = _parser().parse_known_args(argv)
     try:
         overrides = parse_overrides(extra) if args.command not in ("tensorboard", "plot") else {}
@@ -251,18 +307,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             options = parse_yaml(args.storage_options) or {}
             if extra or not isinstance(options, dict):
-                raise ConfigError(f"unifit tensorboard: unexpected arguments {extra or args.storage_options!r}; "
-                                  "usage: unifit tensorboard URL [--port N] [--storage-options '{...}']")
+                raise ConfigError(
+                    f"unifit tensorboard: unexpected arguments {extra or args.storage_options!r}; "
+                    "usage: unifit tensorboard URL [--port N] [--storage-options '{...}']"
+                )
             serve(args.url, host=args.host, port=args.port, refresh_s=args.refresh_s, storage_options=options)
             return 0
         if args.command == "launch":
             if not args.config and not script:
-                raise ConfigError("unifit launch: give -c exp.yaml (the experiment each process runs) or "
-                                  "--strategy NAME -- SCRIPT.py [ARGS] (a script that makes its own Trainer)")
+                raise ConfigError(
+                    "unifit launch: give -c exp.yaml (the experiment each process runs) or "
+                    "--strategy NAME -- SCRIPT.py [ARGS] (a script that makes its own Trainer)"
+                )
             if args.strategy and not script:
-                raise ConfigError(f"unifit launch --strategy {args.strategy}: with -c the experiment names the "
-                                  f"strategy; override it with --trainer.strategy {args.strategy}")
-            ckpt = args.ckpt_path or ("auto" if args.max_restarts > 0 and not script else None)  # a restarted rank continues
+                raise ConfigError(
+                    f"unifit launch --strategy {args.strategy}: with -c the experiment names the "
+                    f"strategy; override it with --trainer.strategy {args.strategy}"
+                )
+            ckpt = args.ckpt_path or (
+                "auto" if args.max_restarts > 0 and not script else None
+            )  # a restarted rank continues
             fit_args = ["-c", args.config or "", *extra] + (["--ckpt-path", ckpt] if ckpt else [])
             if args.output:
                 fit_args += ["--output", args.output]

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, PrivateAttr,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
@@ -22,18 +31,32 @@ class ClassPath(_Strict):
     """An object built from a dotted class path and keyword arguments."""
 
     class_path: str = Field(description="Dotted path, e.g. examples.digits.torch_module.DigitsClassifier.")
-    init_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the class, checked against its __init__ type hints; a nested {class_path, init_args} is built into an instance.")
+    init_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the class, checked against its __init__ type hints; a nested {class_path, init_args} is built into an instance.",
+    )
 
 
 class CheckpointConfig(_Strict):
     """Rank-0-only, atomically committed checkpoints with a 'last' pointer."""
 
     enabled: bool = Field(True, description="Write checkpoints at all.")
-    dir: str | None = Field(None, description="Where checkpoints go (local path or fsspec URL); default <root_dir>/checkpoints.")
+    dir: str | None = Field(
+        None, description="Where checkpoints go (local path or fsspec URL); default <root_dir>/checkpoints."
+    )
     every_n_epochs: PositiveInt = Field(1, description="Save after every N-th epoch (and after the last one).")
-    every_n_steps: PositiveInt | None = Field(None, description="Also save after every N-th optimizer step, mid-epoch included (resumes exactly: the data position, partial epoch metrics and RNG are saved).")
-    every_n_minutes: PositiveFloat | None = Field(None, description="Also save when this many minutes passed since the last save (rank 0's clock, agreed by all ranks every 10 optimizer steps).")
-    keep_last_n: PositiveInt | None = Field(3, description="Keep this many newest checkpoints (the best one and the one resumed from are never deleted); null keeps all.")
+    every_n_steps: PositiveInt | None = Field(
+        None,
+        description="Also save after every N-th optimizer step, mid-epoch included (resumes exactly: the data position, partial epoch metrics and RNG are saved).",
+    )
+    every_n_minutes: PositiveFloat | None = Field(
+        None,
+        description="Also save when this many minutes passed since the last save (rank 0's clock, agreed by all ranks every 10 optimizer steps).",
+    )
+    keep_last_n: PositiveInt | None = Field(
+        3,
+        description="Keep this many newest checkpoints (the best one and the one resumed from are never deleted); null keeps all.",
+    )
     monitor: str | None = Field(None, description="Metric that picks the 'best' checkpoint, e.g. val/acc.")
     mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher `monitor` value is better.")
 
@@ -42,11 +65,23 @@ class TensorBoardConfig(_Strict):
     """TensorBoard scalars written by rank 0 to a local directory, optionally mirrored to S3 (or any fsspec URL)."""
 
     enabled: bool = Field(True, description="Write TensorBoard event files.")
-    log_dir: str | None = Field(None, description="Local directory for event files; default <root_dir>/tensorboard (a temporary directory when root_dir is a URL).")
-    log_every_n_steps: PositiveInt = Field(50, description="Also write the step loss and lr every N optimizer steps (epoch metrics are always written).")
-    sync_to: str | None = Field(None, description="Mirror the event files to this URL (e.g. s3://bucket/run/tb) from a background thread.")
-    sync_every_s: PositiveFloat = Field(30.0, description="Seconds between background syncs (also synced at every epoch end, at the end and on failure).")
-    rotate_mb: PositiveFloat = Field(4.0, description="Start a new event file past this size, so a sync never re-uploads a large file.")
+    log_dir: str | None = Field(
+        None,
+        description="Local directory for event files; default <root_dir>/tensorboard (a temporary directory when root_dir is a URL).",
+    )
+    log_every_n_steps: PositiveInt = Field(
+        50, description="Also write the step loss and lr every N optimizer steps (epoch metrics are always written)."
+    )
+    sync_to: str | None = Field(
+        None, description="Mirror the event files to this URL (e.g. s3://bucket/run/tb) from a background thread."
+    )
+    sync_every_s: PositiveFloat = Field(
+        30.0,
+        description="Seconds between background syncs (also synced at every epoch end, at the end and on failure).",
+    )
+    rotate_mb: PositiveFloat = Field(
+        4.0, description="Start a new event file past this size, so a sync never re-uploads a large file."
+    )
 
 
 class EarlyStoppingConfig(_Strict):
@@ -63,7 +98,9 @@ class PreemptionConfig(_Strict):
     every rank agrees at a step boundary, one checkpoint is committed, every process exits with 128 + the signal's number."""
 
     enabled: bool = Field(True, description="Handle SIGTERM and SIGINT this way (off: Python's default, the run dies).")
-    check_every_n_steps: PositiveInt = Field(10, description="Optimizer steps between agreements on whether a rank got a signal (one tiny all-reduce each).")
+    check_every_n_steps: PositiveInt = Field(
+        10, description="Optimizer steps between agreements on whether a rank got a signal (one tiny all-reduce each)."
+    )
     checkpoint: bool = Field(True, description="Commit a checkpoint before exiting (needs checkpoint.enabled).")
 
 
@@ -71,43 +108,96 @@ class NanGuardConfig(_Strict):
     """Stop all ranks together when the loss is NaN or infinite, keeping the last good checkpoint."""
 
     enabled: bool = Field(True, description="Check the loss for NaN/inf.")
-    check_every_n_steps: PositiveInt = Field(10, description="Check (and agree across ranks) every N steps; the epoch's loss is always checked before a checkpoint is written.")
+    check_every_n_steps: PositiveInt = Field(
+        10,
+        description="Check (and agree across ranks) every N steps; the epoch's loss is always checked before a checkpoint is written.",
+    )
 
 
 class TrainerConfig(_Strict):
     """Everything the Trainer does; `Trainer(**fields)` takes the same names."""
 
-    strategy: str = Field("single", description="Distribution strategy: a registered name (single, ddp, smddp-like, fsdp, horovod, mirrored, mwms) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.")
-    strategy_options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen strategy, validated by that strategy (see its docs page).")
-    accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto uses GPUs when present (one per process, by local rank), else CPU.")
+    strategy: str = Field(
+        "single",
+        description="Distribution strategy: a registered name (single, ddp, smddp-like, fsdp, horovod, mirrored, mwms) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.",
+    )
+    strategy_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the chosen strategy, validated by that strategy (see its docs page).",
+    )
+    accelerator: Literal["auto", "cpu", "gpu"] = Field(
+        "auto", description="auto uses GPUs when present (one per process, by local rank), else CPU."
+    )
     max_epochs: PositiveInt = Field(10, description="Number of epochs to train.")
-    batch_size: PositiveInt = Field(32, description="Batch size per replica; the global batch is batch_size x world size x accumulate_grad_batches. When not set, a training DataLoader of the module's own gives its batch size (else 32).")
-    base_batch_size: PositiveInt | None = Field(None, description="Batch size the module's learning rates were tuned for; default: batch_size (one replica).")
-    lr_scaling: Literal["linear", "sqrt", "none"] = Field("linear", description="Multiply the base lr by global/base batch (linear), its square root (sqrt), or not at all.")
-    warmup_epochs: NonNegativeFloat = Field(0.0, description="Ramp the lr linearly from base to scaled over this many epochs (per optimizer step).")
-    warmup_steps: NonNegativeInt | None = Field(None, description="The same in optimizer steps; do not combine with warmup_epochs.")
-    precision: Literal["32-true", "bf16-mixed", "16-mixed"] = Field("32-true", description="Numerics of the step (Lightning's names): 32-true, bf16-mixed (autocast / Keras mixed_bfloat16), 16-mixed (float16 with dynamic loss scaling).")
-    compile: bool = Field(False, description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules.")
+    batch_size: PositiveInt = Field(
+        32,
+        description="Batch size per replica; the global batch is batch_size x world size x accumulate_grad_batches. When not set, a training DataLoader of the module's own gives its batch size (else 32).",
+    )
+    base_batch_size: PositiveInt | None = Field(
+        None, description="Batch size the module's learning rates were tuned for; default: batch_size (one replica)."
+    )
+    lr_scaling: Literal["linear", "sqrt", "none"] = Field(
+        "linear",
+        description="Multiply the base lr by global/base batch (linear), its square root (sqrt), or not at all.",
+    )
+    warmup_epochs: NonNegativeFloat = Field(
+        0.0, description="Ramp the lr linearly from base to scaled over this many epochs (per optimizer step)."
+    )
+    warmup_steps: NonNegativeInt | None = Field(
+        None, description="The same in optimizer steps; do not combine with warmup_epochs."
+    )
+    precision: Literal["32-true", "bf16-mixed", "16-mixed"] = Field(
+        "32-true",
+        description="Numerics of the step (Lightning's names): 32-true, bf16-mixed (autocast / Keras mixed_bfloat16), 16-mixed (float16 with dynamic loss scaling).",
+    )
+    compile: bool = Field(
+        False, description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules."
+    )
     accumulate_grad_batches: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
-    gradient_clip_val: PositiveFloat | None = Field(None, description="Clip the global gradient norm to this value before each optimizer step.")
-    seed: int = Field(0, description="Seeds model init (same on every rank), data order, and per-rank randomness (seed + rank).")
-    root_dir: str = Field("runs/default", description="Run directory: resolved config, metrics.jsonl, default checkpoint and TensorBoard dirs.")
+    gradient_clip_val: PositiveFloat | None = Field(
+        None, description="Clip the global gradient norm to this value before each optimizer step."
+    )
+    seed: int = Field(
+        0, description="Seeds model init (same on every rank), data order, and per-rank randomness (seed + rank)."
+    )
+    root_dir: str = Field(
+        "runs/default",
+        description="Run directory: resolved config, metrics.jsonl, default checkpoint and TensorBoard dirs.",
+    )
     num_workers: NonNegativeInt = Field(0, description="DataLoader worker processes per rank.")
     drop_last: bool = Field(False, description="Drop each rank's last partial training batch.")
-    limit_train_batches: PositiveInt | None = Field(None, description="Use at most this many training batches per epoch (for quick runs).")
-    limit_val_batches: NonNegativeInt | None = Field(None, description="Use at most this many validation batches (0 turns validation off).")
+    limit_train_batches: PositiveInt | None = Field(
+        None, description="Use at most this many training batches per epoch (for quick runs)."
+    )
+    limit_val_batches: NonNegativeInt | None = Field(
+        None, description="Use at most this many validation batches (0 turns validation off)."
+    )
     validate_every_n_epochs: PositiveInt = Field(1, description="Run validation after every N-th epoch (and the last).")
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (only when attached to a terminal).")
-    export_dir: str | None = Field(None, description="Where rank 0 writes the final model at the end of training (model.pt for PyTorch); SageMaker's SM_MODEL_DIR by default there.")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for every URL (e.g. {endpoint_url: ..., profile: ...}); secrets are never saved or printed. Default: the standard AWS environment and config files.")
-    collective_timeout_s: PositiveFloat = Field(300.0, description="A barrier that waits longer fails every rank instead of hanging (other collectives after twice this, so the barrier, which names the missing ranks, reports first).")
+    export_dir: str | None = Field(
+        None,
+        description="Where rank 0 writes the final model at the end of training (model.pt for PyTorch); SageMaker's SM_MODEL_DIR by default there.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options for every URL (e.g. {endpoint_url: ..., profile: ...}); secrets are never saved or printed. Default: the standard AWS environment and config files.",
+    )
+    collective_timeout_s: PositiveFloat = Field(
+        300.0,
+        description="A barrier that waits longer fails every rank instead of hanging (other collectives after twice this, so the barrier, which names the missing ranks, reports first).",
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="See CheckpointConfig.")
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
     early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig, description="See PreemptionConfig.")
-    resume: str | None = Field(None, description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.")
-    callbacks: list[ClassPath] = Field(default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback).")
+    resume: str | None = Field(
+        None,
+        description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.",
+    )
+    callbacks: list[ClassPath] = Field(
+        default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback)."
+    )
 
     _batch_size_from: str | None = PrivateAttr(None)
 
@@ -121,14 +211,14 @@ class TrainerConfig(_Strict):
         """Where an adopted batch_size came from (None: the user set it, or the default)."""
         return self._batch_size_from
 
-    def adopting_batch_size(self, batch_size: int, source: str) -> "TrainerConfig":
+    def adopting_batch_size(self, batch_size: int, source: str) -> TrainerConfig:
         """This config for one fit, with the batch size of the user's own data (`source`)."""
         adopted = self.model_copy(update={"batch_size": batch_size})
         adopted._batch_size_from = source
         return adopted
 
     @model_validator(mode="after")
-    def _one_warmup(self) -> "TrainerConfig":
+    def _one_warmup(self) -> TrainerConfig:
         if self.warmup_steps is not None and self.warmup_epochs > 0:
             raise ValueError(
                 f"warmup_epochs={self.warmup_epochs} and warmup_steps={self.warmup_steps} are both set; set only one"
@@ -158,7 +248,10 @@ class ExperimentConfig(_Strict):
     """One experiment file: the module, optional data provider, and trainer options."""
 
     module: ClassPath = Field(description="The TrainModule (or KerasModule) subclass and its init args.")
-    data: ClassPath | None = Field(None, description="Optional data provider with train_dataset()/val_dataset(); default: the module's own methods.")
+    data: ClassPath | None = Field(
+        None,
+        description="Optional data provider with train_dataset()/val_dataset(); default: the module's own methods.",
+    )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="See TrainerConfig.")
 
 

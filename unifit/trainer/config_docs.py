@@ -1,6 +1,6 @@
 """Generate docs/config.md from the schema, so the reference cannot drift from the code.
 
-    python -m unifit.trainer.config_docs > docs/config.md
+python -m unifit.trainer.config_docs > docs/config.md
 """
 
 from __future__ import annotations
@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from unifit.trainer.config import CheckpointConfig, EarlyStoppingConfig, ExperimentConfig, NanGuardConfig, PreemptionConfig, TensorBoardConfig, TrainerConfig
+from unifit.trainer.config import (
+    CheckpointConfig,
+    EarlyStoppingConfig,
+    ExperimentConfig,
+    NanGuardConfig,
+    PreemptionConfig,
+    TensorBoardConfig,
+    TrainerConfig,
+)
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("(top level)", ExperimentConfig),
@@ -42,7 +50,9 @@ def _type_name(annotation: Any) -> str:
 
 
 def _bounds(metadata: Any) -> list[str]:
-    return [f"{sym} {getattr(m, attr)}" for m in metadata for attr, sym in (("gt", ">"), ("ge", ">=")) if hasattr(m, attr)]
+    return [
+        f"{sym} {getattr(m, attr)}" for m in metadata for attr, sym in (("gt", ">"), ("ge", ">=")) if hasattr(m, attr)
+    ]
 
 
 def _default(field: Any) -> str:
@@ -65,10 +75,18 @@ def render() -> str:
         "",
     ]
     for section, model in SECTIONS:
-        lines += [f"## `{section}`", "", (model.__doc__ or "").strip(), "",
-                  "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [
+            f"## `{section}`",
+            "",
+            (model.__doc__ or "").strip(),
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         for name, field in model.model_fields.items():
-            lines.append(f"| `{name}` | `{' '.join([_type_name(field.annotation), *_bounds(field.metadata)])}` | `{_default(field)}` | {field.description or ''} |")
+            lines.append(
+                f"| `{name}` | `{' '.join([_type_name(field.annotation), *_bounds(field.metadata)])}` | `{_default(field)}` | {field.description or ''} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -14,8 +14,11 @@ class Dispatcher:
     def __init__(self, callbacks: Sequence[Callback], context: Any) -> None:
         self.context = context
         self._handlers: dict[Event, list[Callable[..., None]]] = {
-            event: [getattr(cb, event.value) for cb in callbacks
-                    if getattr(type(cb), event.value) is not getattr(Callback, event.value)]
+            event: [
+                getattr(cb, event.value)
+                for cb in callbacks
+                if getattr(type(cb), event.value) is not getattr(Callback, event.value)
+            ]
             for event in Event
         }
 

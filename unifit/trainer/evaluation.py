@@ -1,12 +1,12 @@
 """validate / test / predict: one pass over a stage's data, sharded over every rank, no training.
 
-    set up the strategy, and the engine for the stage (the model only: no optimizer, no training data)
-    load the weights of --ckpt-path (best | last | a name | a directory), if given
-    for batch in this rank's disjoint shard (uneven shards, no padding: nothing is counted twice):
-        validate/test: the module's validation_step / test_step logs metrics
-        predict: predict_step's outputs are kept, sample by sample, with their dataset index
-    metrics: exact sample-weighted means over every rank
-    predictions: gathered on rank 0 in dataset order, each sample exactly once (other ranks get None)
+set up the strategy, and the engine for the stage (the model only: no optimizer, no training data)
+load the weights of --ckpt-path (best | last | a name | a directory), if given
+for batch in this rank's disjoint shard (uneven shards, no padding: nothing is counted twice):
+    validate/test: the module's validation_step / test_step logs metrics
+    predict: predict_step's outputs are kept, sample by sample, with their dataset index
+metrics: exact sample-weighted means over every rank
+predictions: gathered on rank 0 in dataset order, each sample exactly once (other ranks get None)
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ class Evaluation:
     checkpoint: str | None = None  # the checkpoint whose weights were evaluated
 
 
-def evaluate(config: TrainerConfig, stage: str, module: Any, data: Any = None,
-             ckpt_path: str | None = None) -> Evaluation:
+def evaluate(
+    config: TrainerConfig, stage: str, module: Any, data: Any = None, ckpt_path: str | None = None
+) -> Evaluation:
     if stage not in STAGES:
         raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
     module, strategy, engine = set_up(config, module, data)
@@ -50,8 +51,10 @@ def evaluate(config: TrainerConfig, stage: str, module: Any, data: Any = None,
             store = CheckpointStore(config.checkpoint_dir, config.storage_options)
             payload, result.checkpoint = read_committed(ckpt_path, engine, strategy, store, config.storage_options)
             if payload is None:
-                raise ConfigError(f"--ckpt-path {ckpt_path}: no committed checkpoint in {store.url} to {stage}; train "
-                                  "first, or name a checkpoint directory")
+                raise ConfigError(
+                    f"--ckpt-path {ckpt_path}: no committed checkpoint in {store.url} to {stage}; train "
+                    "first, or name a checkpoint directory"
+                )
             engine.load_weights(payload["engine"])
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
@@ -77,8 +80,10 @@ def _in_dataset_order(strategy: Any, engine: Any, samples: list[Any]) -> Any:
     """Every rank's (index, sample) pairs on rank 0, sorted by dataset index and collated."""
     indices = list(engine.eval_indices())
     if len(indices) != len(samples):
-        raise ConfigError(f"predict_step returned {len(samples)} samples for the {len(indices)} this rank predicted; "
-                          "return one output row per input sample")
+        raise ConfigError(
+            f"predict_step returned {len(samples)} samples for the {len(indices)} this rank predicted; "
+            "return one output row per input sample"
+        )
     gathered = strategy.all_gather_object(list(zip(indices, samples)))
     if not strategy.is_global_zero:
         return None

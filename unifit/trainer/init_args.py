@@ -36,8 +36,10 @@ def build(class_path: str, init_args: dict[str, Any], field: str) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:  # the class's own checks, e.g. a negative size
-        raise ConfigError(f"{field}.init_args: {_name(cls)}({', '.join(kwargs)}) failed: {exc}; "
-                          f"fix {field}.init_args to match {_name(cls)}.__init__") from None
+        raise ConfigError(
+            f"{field}.init_args: {_name(cls)}({', '.join(kwargs)}) failed: {exc}; "
+            f"fix {field}.init_args to match {_name(cls)}.__init__"
+        ) from None
 
 
 def _arguments(class_path: str, init_args: dict[str, Any], field: str, make: bool) -> tuple[Any, dict[str, Any]]:
@@ -49,8 +51,9 @@ def _arguments(class_path: str, init_args: dict[str, Any], field: str, make: boo
         signature = inspect.signature(cls)
     except (TypeError, ValueError):  # no signature to read (some builtins): pass the arguments as given
         return cls, dict(init_args)
-    params = {name: p for name, p in signature.parameters.items()
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    params = {
+        name: p for name, p in signature.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
     hints = {name: p.annotation for name, p in params.items()}
     extra_allowed = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     values = dict(init_args)
@@ -81,20 +84,25 @@ def _has_class_path(value: Any) -> bool:
 def _nested(value: Any, hint: Any, where: str, make: bool) -> Any:
     """Build (or only check) a nested `{class_path, init_args}`, or each one in a list."""
     if isinstance(value, list):
-        return [_nested(v, _item_hint(hint), f"{where}.{i}", make) if _has_class_path(v) else v
-                for i, v in enumerate(value)]
+        return [
+            _nested(v, _item_hint(hint), f"{where}.{i}", make) if _has_class_path(v) else v for i, v in enumerate(value)
+        ]
     try:
         spec = ClassPath.model_validate(value)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         key = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(f"'{where}.{key}' received {err.get('input')!r}: {err['msg']}; "
-                          f"a nested object is {{class_path: ..., init_args: {{...}}}}") from None
+        raise ConfigError(
+            f"'{where}.{key}' received {err.get('input')!r}: {err['msg']}; "
+            f"a nested object is {{class_path: ..., init_args: {{...}}}}"
+        ) from None
     if not make:
         cls = _load(spec.class_path, where)
         if not _fits(cls, hint):
-            raise ConfigError(f"'{where}.class_path' received '{spec.class_path}', which is not a "
-                              f"{_hint_name(hint)}; give the class path of a {_hint_name(hint)}")
+            raise ConfigError(
+                f"'{where}.class_path' received '{spec.class_path}', which is not a "
+                f"{_hint_name(hint)}; give the class path of a {_hint_name(hint)}"
+            )
         check(spec.class_path, spec.init_args, where)
         return value
     return build(spec.class_path, spec.init_args, where)
@@ -105,7 +113,8 @@ def _fits(cls: Any, hint: Any) -> bool:
     anything else (a generic, a protocol) is checked once the instance is built."""
     options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
     return not isinstance(cls, type) or any(
-        o is Any or o is inspect.Parameter.empty or not isinstance(o, type) or issubclass(cls, o) for o in options)
+        o is Any or o is inspect.Parameter.empty or not isinstance(o, type) or issubclass(cls, o) for o in options
+    )
 
 
 def _item_hint(hint: Any) -> Any:
@@ -114,8 +123,14 @@ def _item_hint(hint: Any) -> Any:
     return args[0] if get_origin(hint) is not None and len(args) == 1 else Any
 
 
-def _validate(cls: Any, params: dict[str, inspect.Parameter], hints: dict[str, Any], values: dict[str, Any],
-              extra_allowed: bool, field: str) -> dict[str, Any]:
+def _validate(
+    cls: Any,
+    params: dict[str, inspect.Parameter],
+    hints: dict[str, Any],
+    values: dict[str, Any],
+    extra_allowed: bool,
+    field: str,
+) -> dict[str, Any]:
     """pydantic checks `values` against the signature; its first error becomes a one-line ConfigError."""
     try:
         adapter = _adapter(cls, params, hints, extra_allowed)
@@ -138,13 +153,17 @@ def _explain(exc: ValidationError, cls: Any, params: dict[str, Any], hints: dict
         close = difflib.get_close_matches(name, list(params), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         accepted = ", ".join(params) or "(none)"
-        return (f"unknown argument '{where}'{hint} (received {err.get('input')!r}); {_name(cls)} accepts: "
-                f"{accepted}; remove it or fix its name")
+        return (
+            f"unknown argument '{where}'{hint} (received {err.get('input')!r}); {_name(cls)} accepts: "
+            f"{accepted}; remove it or fix its name"
+        )
     if err["type"] == "missing":
         return f"'{where}' is required by {_name(cls)} but missing; add it to {field}.init_args"
     expected = _hint_name(hints.get(name, Any))
-    return (f"'{where}' received {err.get('input')!r}: {err['msg']}; "
-            f"give a value of type {expected} ({_name(cls)}.__init__)")
+    return (
+        f"'{where}' received {err.get('input')!r}: {err['msg']}; "
+        f"give a value of type {expected} ({_name(cls)}.__init__)"
+    )
 
 
 def _adapter(cls: Any, params: dict[str, inspect.Parameter], hints: dict[str, Any], extra_allowed: bool) -> TypeAdapter:
@@ -156,7 +175,8 @@ def _adapter(cls: Any, params: dict[str, inspect.Parameter], hints: dict[str, An
         fields[name] = Required[hint] if p.default is inspect.Parameter.empty else NotRequired[hint]
     arguments = TypedDict(f"{_name(cls)}Arguments", fields)  # type: ignore[operator]
     arguments.__pydantic_config__ = ConfigDict(  # type: ignore[attr-defined]
-        extra="allow" if extra_allowed else "forbid", arbitrary_types_allowed=True)
+        extra="allow" if extra_allowed else "forbid", arbitrary_types_allowed=True
+    )
     return TypeAdapter(arguments)
 
 

@@ -24,11 +24,14 @@ class _Yaml12Dumper(yaml.SafeDumper):
     """Quotes what _Yaml12Loader would read as a float (the string '1e5'), so a saved config reloads the same."""
 
 
-_FLOAT_12 = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+_FLOAT_12 = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
                 |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                 |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
                 |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X)
+                |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
 for _cls in (_Yaml12Loader, _Yaml12Dumper):
     _cls.yaml_implicit_resolvers = {k: list(v) for k, v in _cls.yaml_implicit_resolvers.items()}
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
@@ -54,7 +57,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}': expected a mapping with 'module' and 'trainer', received a {type(data).__name__}")
+        raise ConfigError(
+            f"config file '{path}': expected a mapping with 'module' and 'trainer', received a {type(data).__name__}"
+        )
     return data
 
 
@@ -117,7 +122,11 @@ def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str
         hint = ""
         if parent is not None:
             close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f"; valid keys: {', '.join(parent.model_fields) or '(none)'}"
+            hint = (
+                f" (did you mean '{close[0]}'?)"
+                if close
+                else f"; valid keys: {', '.join(parent.model_fields) or '(none)'}"
+            )
         return f"unknown key '{field}'{hint}; remove it or fix its name"
     if err["type"] == "missing":
         return f"'{field}' is required but missing; add it to the config"

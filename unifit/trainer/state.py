@@ -25,7 +25,7 @@ class Progress:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Progress":
+    def from_dict(cls, data: dict[str, Any]) -> Progress:
         return cls(**{k: int(v) for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
@@ -50,12 +50,15 @@ class TrainState:
         return {"progress": self.progress.to_dict(), "metrics": dict(self.metrics)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainState":
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
         if "progress" in data:
             progress = Progress.from_dict(data["progress"])
         else:  # checkpoints written before Progress existed
-            progress = Progress(epoch=int(data.get("epoch", 0)), optimizer_step=int(data.get("global_step", 0)),
-                                steps_per_epoch=int(data.get("steps_per_epoch", 0)))
+            progress = Progress(
+                epoch=int(data.get("epoch", 0)),
+                optimizer_step=int(data.get("global_step", 0)),
+                steps_per_epoch=int(data.get("steps_per_epoch", 0)),
+            )
         return cls(progress=progress, metrics=dict(data.get("metrics", {})))
 
     def request_stop(self, reason: str) -> None:

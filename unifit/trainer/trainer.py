@@ -67,8 +67,13 @@ class Trainer:
         self.config = _launched_strategy(config if config is not None else validate_trainer(kwargs))
         registry.entry(self.config.strategy)  # a registered name, or a Strategy class path importable now
         cfg = self.config  # what the framework must know before its first operation (TensorFlow's devices)
-        registry.claim_process(cfg.strategy, environment.detect(), accelerator=cfg.accelerator,
-                               collective_timeout_s=cfg.collective_timeout_s, options=cfg.strategy_options)
+        registry.claim_process(
+            cfg.strategy,
+            environment.detect(),
+            accelerator=cfg.accelerator,
+            collective_timeout_s=cfg.collective_timeout_s,
+            options=cfg.strategy_options,
+        )
         self.experiment: ExperimentConfig | None = None  # set by the command line, saved with the run
         self.state = TrainState()
         self._run: _Run | None = None
@@ -89,14 +94,22 @@ class Trainer:
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
             state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
-            run = self._run = _Run(engine, strategy, store, Committer(),
-                                   self._callbacks(module))
+            run = self._run = _Run(engine, strategy, store, Committer(), self._callbacks(module))
             ctx = run.ctx = FitContext(
-                config=cfg, state=state, module=module, rank=strategy.rank, world_size=strategy.world_size,
-                finite_probe=engine.finite_probe, current_lrs=engine.current_lrs,
-                all_reduce_max=strategy.all_reduce_max, save_checkpoint=self.save_checkpoint,
-                model_files=engine.model_files, resolved_config=self._resolved_config(given, cfg), store=store,
-                threads=engine.threads)
+                config=cfg,
+                state=state,
+                module=module,
+                rank=strategy.rank,
+                world_size=strategy.world_size,
+                finite_probe=engine.finite_probe,
+                current_lrs=engine.current_lrs,
+                all_reduce_max=strategy.all_reduce_max,
+                save_checkpoint=self.save_checkpoint,
+                model_files=engine.model_files,
+                resolved_config=self._resolved_config(given, cfg),
+                store=store,
+                threads=engine.threads,
+            )
             resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
             if resumed:
                 ctx.last_checkpoint = resumed
@@ -140,8 +153,9 @@ class Trainer:
         output once, in dataset order (None on the other ranks)."""
         return evaluate(self.config, "predict", module, data, ckpt_path).predictions
 
-    def save_checkpoint(self, name: str | None = None,
-                        after_commit: Callable[[CheckpointStore, str], None] | None = None) -> str | None:
+    def save_checkpoint(
+        self, name: str | None = None, after_commit: Callable[[CheckpointStore, str], None] | None = None
+    ) -> str | None:
         """Save a checkpoint now. Every rank must call it (rank 0 writes; a call on one rank
         only fails after trainer.collective_timeout_s instead of hanging). The state is captured
         at once; on a remote store it is committed in the background, then `after_commit(store,
@@ -155,8 +169,9 @@ class Trainer:
         mid_epoch = state.progress.batch_in_epoch > 0
         # per rank: the RNG state, and mid-epoch the epoch's metric sums so far (each rank has its own);
         # rank 0's token names the directory every rank writes in
-        ranks = strategy.all_gather_object((engine.rng_state(), engine.collector.state_dict() if mid_epoch else {},
-                                            uuid.uuid4().hex[:8]))
+        ranks = strategy.all_gather_object(
+            (engine.rng_state(), engine.collector.state_dict() if mid_epoch else {}, uuid.uuid4().hex[:8])
+        )
         name = name or checkpoint_name(state.epoch, state.global_step)
         path, directory = store.path(name), store.write_dir(name, ranks[0][2])
         if strategy.is_global_zero:
@@ -199,7 +214,10 @@ class Trainer:
             if not skip:
                 engine.collector.reset()
             dispatch(Event.TRAIN_EPOCH_START)
-            batch_start, batch_end = dispatch.handlers(Event.TRAIN_BATCH_START), dispatch.handlers(Event.TRAIN_BATCH_END)
+            batch_start, batch_end = (
+                dispatch.handlers(Event.TRAIN_BATCH_START),
+                dispatch.handlers(Event.TRAIN_BATCH_END),
+            )
             started = time.perf_counter()
             for batch_idx, batch in enumerate(engine.train_batches(epoch, skip), start=skip):
                 for hook in batch_start:
@@ -269,9 +287,12 @@ class Trainer:
                     f"--ckpt-path: {path} was saved mid-epoch by {payload['world_size']} ranks with "
                     f"{at.batches_per_epoch} batches per epoch each; this run has {strategy.world_size} ranks with "
                     f"{progress.batches_per_epoch}; resume it with the same world size, batch size and data, or "
-                    "from a checkpoint taken at an epoch end")
+                    "from a checkpoint taken at an epoch end"
+                )
             progress.batch_in_epoch = at.batch_in_epoch
-            engine.collector.load_state_dict(payload["collectors"][strategy.rank])  # the resumed epoch averages all its batches
+            engine.collector.load_state_dict(
+                payload["collectors"][strategy.rank]
+            )  # the resumed epoch averages all its batches
         self.state = TrainState(progress=progress, metrics=saved_progress.metrics)
         saved = payload.get("callbacks", {})
         for key, cb in _state_keys(run.callbacks):
@@ -279,8 +300,11 @@ class Trainer:
         if payload["world_size"] == strategy.world_size:
             engine.set_rng_state(payload["rng"][strategy.rank])
         else:
-            log.warning("resuming a %d-rank checkpoint on %d ranks: random state is re-seeded, data order is kept",
-                        payload["world_size"], strategy.world_size)
+            log.warning(
+                "resuming a %d-rank checkpoint on %d ranks: random state is re-seeded, data order is kept",
+                payload["world_size"],
+                strategy.world_size,
+            )
             engine.seed(self.config.seed + strategy.rank + 1000 * self.state.epoch)
         within = f", batch {progress.batch_in_epoch} of epoch {progress.epoch + 1}" if progress.batch_in_epoch else ""
         log.info("resumed from %s (epoch %d, step %d%s)", path, self.state.epoch, self.state.global_step, within)
@@ -305,16 +329,17 @@ class Trainer:
             locations["trainer.tensorboard.log_dir"] = cfg.tensorboard_dir
         if cfg.tensorboard.enabled and cfg.tensorboard_sync_to:
             locations["trainer.tensorboard.sync_to"] = cfg.tensorboard_sync_to
-        for field, url in locations.items():
-            check_writable(url, cfg.storage_options, field)
+        for where, url in locations.items():
+            check_writable(url, cfg.storage_options, where)
 
     def _resolved_config(self, module: Any, cfg: TrainerConfig) -> str:
         """The experiment as this fit runs it (`cfg`: with an adopted batch size, say)."""
         if self.experiment is not None:
             return resolved_yaml(self.experiment.model_copy(update={"trainer": cfg}))
         cls = type(module)
-        return resolved_yaml(ExperimentConfig(
-            module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=cfg))
+        return resolved_yaml(
+            ExperimentConfig(module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=cfg)
+        )
 
 
 # what unifit already does for the callbacks users bring from Keras and Lightning
@@ -335,8 +360,10 @@ def _foreign_callback(i: int, callback: Any) -> str:
     kind = type(callback).__name__
     instead = _EQUIVALENTS.get(kind)
     hint = f"use {instead} instead" if instead else "write it as a unifit.Callback subclass (one method per event)"
-    return (f"trainer.callbacks[{i}]: received a {type(callback).__module__}.{kind}, which is not a unifit.Callback; "
-            f"Keras and Lightning callbacks do not run in unifit's loop: {hint}")
+    return (
+        f"trainer.callbacks[{i}]: received a {type(callback).__module__}.{kind}, which is not a unifit.Callback; "
+        f"Keras and Lightning callbacks do not run in unifit's loop: {hint}"
+    )
 
 
 def _launched_strategy(config: TrainerConfig) -> TrainerConfig:
@@ -346,9 +373,11 @@ def _launched_strategy(config: TrainerConfig) -> TrainerConfig:
     if not launched or config.strategy == launched:
         return config
     if "strategy" in config.model_fields_set:
-        raise ConfigError(f"trainer.strategy: the script asks for '{config.strategy}', but it was started by "
-                          f"`unifit launch --strategy {launched}`; leave strategy out of the script's Trainer (the "
-                          f"launch decides) or launch it with --strategy {config.strategy}")
+        raise ConfigError(
+            f"trainer.strategy: the script asks for '{config.strategy}', but it was started by "
+            f"`unifit launch --strategy {launched}`; leave strategy out of the script's Trainer (the "
+            f"launch decides) or launch it with --strategy {config.strategy}"
+        )
     return config.model_copy(update={"strategy": launched})
 
 
@@ -364,8 +393,11 @@ def _state_keys(callbacks: list[Callback]) -> list[tuple[str, Callback]]:
 
 def _progress_of(engine: Any, accumulate: int) -> Progress:
     """A fresh Progress with this run's sizes (the position starts at zero or comes from a checkpoint)."""
-    return Progress(global_batch=engine.global_batch, batches_per_epoch=engine.batches_per_epoch,
-                    steps_per_epoch=-(-engine.batches_per_epoch // accumulate))
+    return Progress(
+        global_batch=engine.global_batch,
+        batches_per_epoch=engine.batches_per_epoch,
+        steps_per_epoch=-(-engine.batches_per_epoch // accumulate),
+    )
 
 
 def _lr_metrics(engine: Any) -> dict[str, float]:

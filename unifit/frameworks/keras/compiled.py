@@ -58,39 +58,53 @@ class CompiledModel(KerasModule):
         self.factory: Any = None
         if isinstance(model, keras.Model):
             if model_args:
-                raise ConfigError("module.init_args.model_args: given with a keras.Model; model_args are the "
-                                  "arguments of a factory named by module.init_args.model")
+                raise ConfigError(
+                    "module.init_args.model_args: given with a keras.Model; model_args are the "
+                    "arguments of a factory named by module.init_args.model"
+                )
             self._read_compiled(model)
         elif isinstance(model, str) or callable(model):
             self.factory, self.factory_args = model, dict(model_args or {})
             self.name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
         else:
-            raise ConfigError(f"module.init_args.model: received {type(model).__name__}; give a compiled keras.Model "
-                              "or the dotted path of a function returning one")
+            raise ConfigError(
+                f"module.init_args.model: received {type(model).__name__}; give a compiled keras.Model "
+                "or the dotted path of a function returning one"
+            )
 
     def _read_compiled(self, model: Any) -> None:
         """What model.compile(...) chose, checked for what unifit cannot honour."""
         self.user_model = model
         self.name = type(model).__name__
         where = f"module: {self.name}"
-        if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None or \
-                getattr(model, "loss", None) is None:
+        if (
+            not getattr(model, "compiled", False)
+            or getattr(model, "optimizer", None) is None
+            or getattr(model, "loss", None) is None
+        ):
             raise ConfigError(f"{where} is not compiled (no optimizer or loss); {_COMPILE_FIRST}")
         compile_config = getattr(model, "_compile_config", None)
         config = dict(compile_config.config) if compile_config is not None else {}
         for argument in ("loss_weights", "weighted_metrics"):
             if config.get(argument) is not None:
-                raise ConfigError(f"{where}: model.compile({argument}=...) is not supported by unifit yet; "
-                                  f"compile without {argument} (one loss, unweighted metrics)")
+                raise ConfigError(
+                    f"{where}: model.compile({argument}=...) is not supported by unifit yet; "
+                    f"compile without {argument} (one loss, unweighted metrics)"
+                )
         if config.get("run_eagerly"):
-            raise ConfigError(f"{where}: model.compile(run_eagerly=True); unifit runs the step as one compiled "
-                              "tf.function: compile with run_eagerly=False")
+            raise ConfigError(
+                f"{where}: model.compile(run_eagerly=True); unifit runs the step as one compiled "
+                "tf.function: compile with run_eagerly=False"
+            )
         if int(config.get("steps_per_execution") or 1) != 1:
-            raise ConfigError(f"{where}: model.compile(steps_per_execution={config['steps_per_execution']}); unifit "
-                              "runs one batch per step call: compile with steps_per_execution=1")
+            raise ConfigError(
+                f"{where}: model.compile(steps_per_execution={config['steps_per_execution']}); unifit "
+                "runs one batch per step call: compile with steps_per_execution=1"
+            )
         if len(getattr(model, "outputs", None) or [None]) > 1:
-            raise ConfigError(f"{where} has {len(model.outputs)} outputs; unifit trains models with one output "
-                              "and one loss for now")
+            raise ConfigError(
+                f"{where} has {len(model.outputs)} outputs; unifit trains models with one output and one loss for now"
+            )
         # jit_compile is not read: Keras resolves its default 'auto' to True on GPUs, so it cannot be told
         # from an explicit True; trainer.compile decides whether the step is compiled by XLA (docs/keras.md)
         self._loss = self._resolve_loss(model.loss, where)
@@ -103,17 +117,21 @@ class CompiledModel(KerasModule):
     @staticmethod
     def _resolve_loss(loss: Any, where: str) -> Any:
         if isinstance(loss, dict) or (isinstance(loss, (list, tuple)) and len(loss) != 1):
-            raise ConfigError(f"{where}: model.compile(loss=...) gives {len(loss)} losses; unifit trains one output "
-                              "with one loss for now")
+            raise ConfigError(
+                f"{where}: model.compile(loss=...) gives {len(loss)} losses; unifit trains one output "
+                "with one loss for now"
+            )
         if isinstance(loss, (list, tuple)):
             loss = loss[0]
         if isinstance(loss, str) and loss.lower() in ("crossentropy", "ce"):
             return lambda y, y_pred: _crossentropy_for(y, y_pred)(y, y_pred)
         if isinstance(loss, keras.losses.Loss):
             if getattr(loss, "reduction", None) == "mean_with_sample_weight":
-                raise ConfigError(f"{where}: model.compile(loss={type(loss).__name__}(reduction="
-                                  "'mean_with_sample_weight')); unifit averages (weighted) per-example losses over "
-                                  "the samples: use reduction='sum_over_batch_size'")
+                raise ConfigError(
+                    f"{where}: model.compile(loss={type(loss).__name__}(reduction="
+                    "'mean_with_sample_weight')); unifit averages (weighted) per-example losses over "
+                    "the samples: use reduction='sum_over_batch_size'"
+                )
             dtype = loss.dtype or "float32"
 
             def per_example(y: Any, y_pred: Any) -> Any:
@@ -125,8 +143,10 @@ class CompiledModel(KerasModule):
         try:
             function = keras.losses.get(loss)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{where}: model.compile(loss={loss!r}) is not a Keras loss ({exc}); "
-                              "give a loss name, a keras.losses.Loss or a function(y_true, y_pred)") from None
+            raise ConfigError(
+                f"{where}: model.compile(loss={loss!r}) is not a Keras loss ({exc}); "
+                "give a loss name, a keras.losses.Loss or a function(y_true, y_pred)"
+            ) from None
         if isinstance(function, keras.losses.Loss):  # a name resolved to a Loss class
             return CompiledModel._resolve_loss(function, where)
         return _same_rank(function)
@@ -136,8 +156,10 @@ class CompiledModel(KerasModule):
         if metrics is None:
             return []
         if isinstance(metrics, dict) or any(isinstance(m, (list, tuple, dict)) for m in metrics):
-            raise ConfigError(f"{where}: model.compile(metrics=...) names metrics per output; give one flat list "
-                              "(unifit trains models with one output for now)")
+            raise ConfigError(
+                f"{where}: model.compile(metrics=...) names metrics per output; give one flat list "
+                "(unifit trains models with one output for now)"
+            )
         resolved = []
         for metric in metrics:
             if isinstance(metric, str) and metric.lower() in ("accuracy", "acc"):
@@ -148,8 +170,9 @@ class CompiledModel(KerasModule):
                 try:
                     metric = keras.metrics.get(metric)
                 except (ValueError, TypeError) as exc:
-                    raise ConfigError(f"{where}: model.compile(metrics=[{name!r}]) is not a Keras metric "
-                                      f"({exc})") from None
+                    raise ConfigError(
+                        f"{where}: model.compile(metrics=[{name!r}]) is not a Keras metric ({exc})"
+                    ) from None
             if isinstance(metric, keras.metrics.MeanMetricWrapper):
                 fn, kwargs = _same_rank(metric._fn), dict(metric._fn_kwargs)
                 resolved.append((name or metric.name, lambda y, y_pred, fn=fn, kwargs=kwargs: fn(y, y_pred, **kwargs)))
@@ -158,8 +181,10 @@ class CompiledModel(KerasModule):
             elif callable(metric):
                 resolved.append((name or _metric_name(metric), _same_rank(metric)))
             else:
-                raise ConfigError(f"{where}: model.compile(metrics=[{metric!r}]) is not a metric; give names, "
-                                  "functions or keras.metrics mean metrics")
+                raise ConfigError(
+                    f"{where}: model.compile(metrics=[{metric!r}]) is not a metric; give names, "
+                    "functions or keras.metrics mean metrics"
+                )
         return resolved
 
     # ---- KerasModule ----------------------------------------------------------------------------
@@ -183,30 +208,37 @@ class CompiledModel(KerasModule):
         try:
             model = factory(**self.factory_args)
         except TypeError as exc:
-            raise ConfigError(f"module.init_args.model_args: {self.name}(**model_args) failed: {exc}; fix "
-                              "module.init_args.model_args") from None
+            raise ConfigError(
+                f"module.init_args.model_args: {self.name}(**model_args) failed: {exc}; fix module.init_args.model_args"
+            ) from None
         if not isinstance(model, keras.Model):
-            raise ConfigError(f"module.init_args.model: {self.name} returned a {type(model).__name__}, not a "
-                              "compiled keras.Model")
+            raise ConfigError(
+                f"module.init_args.model: {self.name} returned a {type(model).__name__}, not a compiled keras.Model"
+            )
         self._read_compiled(model)
         self._built = model  # built in the strategy's scope: trained as it is, nothing to copy back
         return model
 
     def _rebuild(self, user: Any) -> Any:
-        if isinstance(user, keras.Sequential) or getattr(user, "_is_graph_network", False) or \
-                type(user).__name__ == "Functional":
+        if (
+            isinstance(user, keras.Sequential)
+            or getattr(user, "_is_graph_network", False)
+            or type(user).__name__ == "Functional"
+        ):
             return keras.models.clone_model(user, clone_function=_in_policy)
         try:
             return type(user).from_config(user.get_config())
         except Exception as exc:  # noqa: BLE001 - any failure: the user's own get_config/from_config
             if not tf.distribute.has_strategy():  # single, horovod: no scope owns the variables
                 return user
-            raise ConfigError(f"module: {self.name} is a subclassed keras.Model that {type(user).__name__}"
-                              f".from_config(get_config()) cannot rebuild ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:150] if str(exc) else ''}), and "
-                              f"{type(tf.distribute.get_strategy()).__name__} needs its variables created in its "
-                              f"scope; define get_config()/from_config(), or train it as is with trainer.strategy "
-                              f"{_AS_IS}") from None
+            raise ConfigError(
+                f"module: {self.name} is a subclassed keras.Model that {type(user).__name__}"
+                f".from_config(get_config()) cannot rebuild ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:150] if str(exc) else ''}), and "
+                f"{type(tf.distribute.get_strategy()).__name__} needs its variables created in its "
+                f"scope; define get_config()/from_config(), or train it as is with trainer.strategy "
+                f"{_AS_IS}"
+            ) from None
 
     def configure_optimizers(self) -> Any:
         return self._optimizer_class.from_config(dict(self._optimizer_config))
@@ -238,14 +270,18 @@ class CompiledModel(KerasModule):
     def _split(self) -> tuple[Any, Any]:
         data = self._data
         if data is None:
-            raise ConfigError(f"Trainer.fit({self.name}, data=...): a keras.Model brings no data; pass data=(x, y), "
-                              "{'train': (x, y), 'val': (x_val, y_val)}, an unbatched tf.data.Dataset of (x, y[, sample_weight]) or a "
-                              "data provider (train_dataset()/val_dataset())")
+            raise ConfigError(
+                f"Trainer.fit({self.name}, data=...): a keras.Model brings no data; pass data=(x, y), "
+                "{'train': (x, y), 'val': (x_val, y_val)}, an unbatched tf.data.Dataset of (x, y[, sample_weight]) or a "
+                "data provider (train_dataset()/val_dataset())"
+            )
         if isinstance(data, dict):
             unknown = sorted(set(data) - {"train", "val"})
             if unknown or "train" not in data:
-                raise ConfigError(f"data: received a dict with keys {sorted(data)}; give {{'train': (x, y)}} and "
-                                  "optionally 'val': (x_val, y_val)")
+                raise ConfigError(
+                    f"data: received a dict with keys {sorted(data)}; give {{'train': (x, y)}} and "
+                    "optionally 'val': (x_val, y_val)"
+                )
             return data["train"], data.get("val")
         return data, None
 
@@ -338,6 +374,8 @@ def _checked(data: Any, split: str) -> Any:
         return data
     if isinstance(data, (tuple, list)) and len(data) >= 2:
         return tuple(np.asarray(a) if not isinstance(a, np.ndarray) else a for a in data)
-    raise ConfigError(f"data ({split}): received {type(data).__name__}; give arrays (x, y[, sample_weight]), an "
-                      "unbatched tf.data.Dataset of (x, y[, sample_weight]) or a data provider "
-                      "(train_dataset()/val_dataset())")
+    raise ConfigError(
+        f"data ({split}): received {type(data).__name__}; give arrays (x, y[, sample_weight]), an "
+        "unbatched tf.data.Dataset of (x, y[, sample_weight]) or a data provider "
+        "(train_dataset()/val_dataset())"
+    )

@@ -24,9 +24,19 @@ _AUTOSHARD = tf.data.experimental.AutoShardPolicy
 _BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
 # what may follow the .batch() and still leave whole batches of its elements (an .unbatch(), a flat_map or
 # anything else unknown ends the search: that pipeline is taken as it is)
-_PER_BATCH = ("_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "CacheDataset", "_ShuffleDataset",
-              "_TakeDataset", "_SkipDataset", "_FilterDataset", "_OptionsDataset", "_AssertCardinalityDataset",
-              "_IgnoreErrorsDataset")
+_PER_BATCH = (
+    "_MapDataset",
+    "_ParallelMapDataset",
+    "_PrefetchDataset",
+    "CacheDataset",
+    "_ShuffleDataset",
+    "_TakeDataset",
+    "_SkipDataset",
+    "_FilterDataset",
+    "_OptionsDataset",
+    "_AssertCardinalityDataset",
+    "_IgnoreErrorsDataset",
+)
 
 
 def batch_size_of(dataset: Any) -> int | None:
@@ -57,13 +67,18 @@ def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
         result = tuple(np.asarray(a) for a in data)
         result = tuple(a.astype(np.float32) if a.dtype == np.float64 else a for a in result)
         if len({len(a) for a in result}) != 1:
-            raise ConfigError(f"{what}: arrays have different lengths {[len(a) for a in result]}; give arrays of equal length")
+            raise ConfigError(
+                f"{what}: arrays have different lengths {[len(a) for a in result]}; give arrays of equal length"
+            )
         if len(result) == 3 and result[2].ndim != 1:
-            raise ConfigError(f"{what}: sample weights have shape {result[2].shape}; give one weight per sample "
-                              "(shape (n,))")
+            raise ConfigError(
+                f"{what}: sample weights have shape {result[2].shape}; give one weight per sample (shape (n,))"
+            )
         return result
-    raise ConfigError(f"{what}: received {type(data).__name__}; return a tuple of arrays (x, y[, sample_weight]) or a "
-                      "tf.data.Dataset of (x, y[, sample_weight])")
+    raise ConfigError(
+        f"{what}: received {type(data).__name__}; return a tuple of arrays (x, y[, sample_weight]) or a "
+        "tf.data.Dataset of (x, y[, sample_weight])"
+    )
 
 
 def check_dataset(data: Any, what: str) -> None:
@@ -71,20 +86,30 @@ def check_dataset(data: Any, what: str) -> None:
     spec = data.element_spec
     if not isinstance(spec, tuple) or len(spec) not in (2, 3):
         shown = f"a tuple of {len(spec)}" if isinstance(spec, tuple) else type(spec).__name__
-        raise ConfigError(f"{what}: the tf.data.Dataset's elements are {shown}; give elements (x, y) or "
-                          "(x, y, sample_weight), e.g. dataset.map(lambda d: (d['x'], d['y']))")
+        raise ConfigError(
+            f"{what}: the tf.data.Dataset's elements are {shown}; give elements (x, y) or "
+            "(x, y, sample_weight), e.g. dataset.map(lambda d: (d['x'], d['y']))"
+        )
     flat = tf.nest.flatten(spec)
-    if batch_size_of(data) is None and flat and all(
-            getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in flat):
-        raise ConfigError(f"{what}: the tf.data.Dataset looks batched (element shapes "
-                          f"{[tuple(s.shape) for s in flat]}) by something other than .batch(); pass it unbatched "
-                          "(dataset.unbatch()): unifit batches per replica itself with trainer.batch_size")
+    if (
+        batch_size_of(data) is None
+        and flat
+        and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in flat)
+    ):
+        raise ConfigError(
+            f"{what}: the tf.data.Dataset looks batched (element shapes "
+            f"{[tuple(s.shape) for s in flat]}) by something other than .batch(); pass it unbatched "
+            "(dataset.unbatch()): unifit batches per replica itself with trainer.batch_size"
+        )
     if len(spec) == 3 and getattr(spec[2], "shape", None) is not None and spec[2].shape.rank not in (None, 0):
-        raise ConfigError(f"{what}: sample weights have element shape {tuple(spec[2].shape)}; give one scalar weight "
-                          "per element")
+        raise ConfigError(
+            f"{what}: sample weights have element shape {tuple(spec[2].shape)}; give one scalar weight per element"
+        )
     if int(data.cardinality()) == tf.data.INFINITE_CARDINALITY:
-        raise ConfigError(f"{what}: the tf.data.Dataset is endless (repeat() without a count); remove .repeat(): "
-                          "unifit reads the dataset once per epoch")
+        raise ConfigError(
+            f"{what}: the tf.data.Dataset is endless (repeat() without a count); remove .repeat(): "
+            "unifit reads the dataset once per epoch"
+        )
 
 
 class LazyData:
@@ -108,8 +133,15 @@ class LazyData:
         self.dataset = dataset.with_options(options)
         known = int(self.dataset.cardinality())
         self.counted = known < 0
-        self.count = known if known >= 0 else int(
-            self.dataset.map(lambda *e: tf.constant(1, tf.int64)).reduce(tf.constant(0, tf.int64), lambda a, b: a + b))
+        self.count = (
+            known
+            if known >= 0
+            else int(
+                self.dataset.map(lambda *e: tf.constant(1, tf.int64)).reduce(
+                    tf.constant(0, tf.int64), lambda a, b: a + b
+                )
+            )
+        )
         spec = dataset.element_spec
         self.weighted = len(spec) == 3
         known_rank = isinstance(spec[0], tf.TensorSpec) and spec[0].shape.rank is not None
@@ -137,8 +169,9 @@ class LazyData:
         def size(k: Any) -> Any:
             return tf.gather(sizes, k % parts)
 
-        data = data.group_by_window(key_func=key, window_size_func=size,
-                                    reduce_func=lambda k, window: window.batch(size(k)))
+        data = data.group_by_window(
+            key_func=key, window_size_func=size, reduce_func=lambda k, window: window.batch(size(k))
+        )
         return data.map(lambda i, element: element).prefetch(tf.data.AUTOTUNE)
 
 
@@ -154,5 +187,7 @@ def _shard(dataset: Any, world: int, rank: int) -> tuple[Any, str]:
         except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as exc:
             reason = first_line(exc)[:200]
             logging.getLogger("unifit").debug("sharding by file not possible (%s); sharding by element", reason)
-    raise ConfigError(f"tf.data.Dataset: cannot be sharded over {world} workers ({reason}); build it from files or "
-                      "from in-memory tensors")
+    raise ConfigError(
+        f"tf.data.Dataset: cannot be sharded over {world} workers ({reason}); build it from files or "
+        "from in-memory tensors"
+    )

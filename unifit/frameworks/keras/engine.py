@@ -39,7 +39,6 @@ import tensorflow as tf  # noqa: E402
 
 from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
-from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
 from unifit.frameworks.keras.data import LazyData, unbatched  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
@@ -47,6 +46,7 @@ from unifit.frameworks.keras.lr import with_policy  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.keras.stateful import KerasMetricValue  # noqa: E402
 from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
+from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state  # noqa: E402
 
 _TF_PREFIX = "tf/"
 
@@ -55,8 +55,10 @@ class KerasEngine(KerasEvaluation, Engine):
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
         if cfg.accumulate_grad_batches != 1:
-            raise ConfigError("trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
-                              "is implemented for PyTorch modules only); raise batch_size instead")
+            raise ConfigError(
+                "trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
+                "is implemented for PyTorch modules only); raise batch_size instead"
+            )
         self.precision = make_precision(cfg.precision)
         train, presharded = self._rank_data(self.data.train_dataset())
         train, batched_by = unbatched(train)
@@ -73,7 +75,8 @@ class KerasEngine(KerasEvaluation, Engine):
             how = {"file": "sharded by file", "data": "sharded by element", "none": "not sharded"}[lazy.policy]
             logging.getLogger("unifit").info(
                 f"rank {strategy.rank}: train_dataset() is a tf.data pipeline, read lazily, {how}: {lazy.count} "
-                f"samples here ({'counted' if lazy.counted else 'cardinality'}), {self.per_worker} used per epoch")
+                f"samples here ({'counted' if lazy.counted else 'cardinality'}), {self.per_worker} used per epoch"
+            )
         else:
             self.train_arrays = _arrays(train, "train_dataset()")
             n = len(self.train_arrays[0])
@@ -82,11 +85,15 @@ class KerasEngine(KerasEvaluation, Engine):
                 self.per_worker = -int(strategy.all_reduce_max(np.array([-n]))[0])
         used = self.per_worker - (self.per_worker % self.local_batch if cfg.drop_last else 0)
         if used == 0:
-            raise ConfigError(f"trainer.batch_size: {cfg.batch_size} x {self.local_replicas} local replicas leaves no "
-                              f"training batch ({self.per_worker} samples per worker); lower batch_size")
+            raise ConfigError(
+                f"trainer.batch_size: {cfg.batch_size} x {self.local_replicas} local replicas leaves no "
+                f"training batch ({self.per_worker} samples per worker); lower batch_size"
+            )
         if used < self.local_replicas:
-            raise ConfigError(f"train_dataset(): {used} samples per worker cannot give each of its "
-                              f"{self.local_replicas} replicas one; give more samples or use fewer devices")
+            raise ConfigError(
+                f"train_dataset(): {used} samples per worker cannot give each of its "
+                f"{self.local_replicas} replicas one; give more samples or use fewer devices"
+            )
         self._train_sizes = step_sizes(used, self._steps_for([used]), self.local_batch, self.local_replicas)
         self._batches = len(self._train_sizes)
         if cfg.limit_train_batches:
@@ -128,9 +135,11 @@ class KerasEngine(KerasEvaluation, Engine):
         if batched_by is None or batched_by == cfg.batch_size and cfg.batch_size_given:
             return cfg
         if cfg.batch_size_given:
-            raise ConfigError(f"train_dataset(): the tf.data pipeline is batched by {batched_by} but trainer.batch_size "
-                              f"is {cfg.batch_size}; leave trainer.batch_size unset to use the pipeline's, set it to "
-                              f"{batched_by}, or change the pipeline's .batch()")
+            raise ConfigError(
+                f"train_dataset(): the tf.data pipeline is batched by {batched_by} but trainer.batch_size "
+                f"is {cfg.batch_size}; leave trainer.batch_size unset to use the pipeline's, set it to "
+                f"{batched_by}, or change the pipeline's .batch()"
+            )
         return cfg.adopting_batch_size(batched_by, "the tf.data pipeline's .batch()")
 
     def _set_up_replicas(self) -> None:
@@ -235,9 +244,11 @@ class KerasEngine(KerasEvaluation, Engine):
         spans_workers = self.dist.num_replicas_in_sync > self.local_replicas
         counts = [int(c) for c in self.strategy.all_gather_object(count)] if spans_workers else [count]
         if min(counts) < self.local_replicas:
-            raise ConfigError(f"val_dataset(): a worker gets {min(counts)} validation samples, fewer than its "
-                              f"{self.local_replicas} replicas; give at least one sample per replica "
-                              f"({self.replicas} in all) or use fewer devices")
+            raise ConfigError(
+                f"val_dataset(): a worker gets {min(counts)} validation samples, fewer than its "
+                f"{self.local_replicas} replicas; give at least one sample per replica "
+                f"({self.replicas} in all) or use fewer devices"
+            )
         return step_sizes(count, self._steps_for(counts), self.local_batch, self.local_replicas)
 
     def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, sizes: list[int]) -> Any:
@@ -268,10 +279,10 @@ class KerasEngine(KerasEvaluation, Engine):
             return
         n = len(self.train_arrays[0])
         order = np.random.default_rng(self.config.seed + epoch).permutation(n)
-        mine = order if self.train_presharded else order[self.strategy.rank::self.strategy.world_size]
+        mine = order if self.train_presharded else order[self.strategy.rank :: self.strategy.world_size]
         mine = mine[: self.per_worker]  # every worker the same number of samples (and steps)
         # a mid-epoch resume starts after the samples of the first `skip` steps (never loaded)
-        mine = mine[sum(self._train_sizes[:skip]):]
+        mine = mine[sum(self._train_sizes[:skip]) :]
         iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes[skip:]))
         for i in range(skip, self._batches):  # the same count on every worker
             self.collector.batch_count = self._train_sizes[i]
@@ -330,8 +341,10 @@ class KerasEngine(KerasEvaluation, Engine):
         """The module's stateful metrics for one phase (each phase its own objects), made once."""
         made = self.__dict__.setdefault("_stateful", {})
         if prefix not in made:
-            made[prefix] = {name: KerasMetricValue(metric, f"{type(self.module).__name__}.stateful_metrics()['{name}']")
-                            for name, metric in self.module.stateful_metrics().items()}
+            made[prefix] = {
+                name: KerasMetricValue(metric, f"{type(self.module).__name__}.stateful_metrics()['{name}']")
+                for name, metric in self.module.stateful_metrics().items()
+            }
         return made[prefix]
 
     def _first_call(self, fn: Any, batch: Any, which: str) -> Any:
@@ -346,9 +359,11 @@ class KerasEngine(KerasEvaluation, Engine):
                 raise
             ops = sorted(set(re.findall(r"on XLA_\w+: (\w+)", message)))
             found = f"ops XLA cannot compile: {', '.join(ops)}" if ops else first_line(exc)[:300]
-            raise ConfigError(f"trainer.compile: received true, but XLA (jit_compile) cannot compile "
-                              f"{type(self.module).__name__}'s {which} step ({found}); set trainer.compile: false "
-                              "or remove those ops from the step") from None
+            raise ConfigError(
+                f"trainer.compile: received true, but XLA (jit_compile) cannot compile "
+                f"{type(self.module).__name__}'s {which} step ({found}); set trainer.compile: false "
+                "or remove those ops from the step"
+            ) from None
         self._untried.discard(which)
         return result
 
@@ -384,7 +399,7 @@ class KerasEngine(KerasEvaluation, Engine):
             total = self.strategy.all_reduce_sum(np.concatenate([v.ravel() for v in values]))
         start = 0
         for variable, value in zip(moving, values):
-            variable.assign((total[start:start + value.size] / world).reshape(value.shape).astype(value.dtype))
+            variable.assign((total[start : start + value.size] / world).reshape(value.shape).astype(value.dtype))
             start += value.size
 
     def current_lrs(self) -> list[float]:
@@ -418,7 +433,9 @@ class KerasEngine(KerasEvaluation, Engine):
                 self._checkpoint().write(os.path.join(folder, "ckpt"))
             if not writer:
                 return {}
-            files = {f"{_TF_PREFIX}{name}": open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+            files = {
+                f"{_TF_PREFIX}{name}": open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)
+            }
         finally:
             shutil.rmtree(folder, ignore_errors=True)  # a non-chief's copy is removed at once
         files["state.json"] = json.dumps(payload).encode()
@@ -447,8 +464,11 @@ class KerasEngine(KerasEvaluation, Engine):
         return found
 
     def rng_state(self) -> dict[str, Any]:
-        return {**host_rng_state(), "tf": tf.random.get_global_generator().state.numpy().tolist(),
-                "keras_layers": [np.asarray(g.state.numpy()).tolist() for g in self._seed_generators()]}
+        return {
+            **host_rng_state(),
+            "tf": tf.random.get_global_generator().state.numpy().tolist(),
+            "keras_layers": [np.asarray(g.state.numpy()).tolist() for g in self._seed_generators()],
+        }
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         set_host_rng_state(state)

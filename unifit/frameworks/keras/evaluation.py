@@ -22,8 +22,11 @@ from unifit.frameworks.keras.data import arrays, unbatched
 from unifit.frameworks.keras.precision import make_precision
 
 # stage -> (the data provider's method, the module's step, the metrics' prefix)
-_STAGES = {"validate": ("val_dataset", "validation_step", "val/"), "test": ("test_dataset", "test_step", "test/"),
-           "predict": ("predict_dataset", "predict_step", "")}
+_STAGES = {
+    "validate": ("val_dataset", "validation_step", "val/"),
+    "test": ("test_dataset", "test_step", "test/"),
+    "predict": ("predict_dataset", "predict_step", ""),
+}
 
 
 class KerasEvaluation:
@@ -61,8 +64,9 @@ class KerasEvaluation:
         if stage == "predict":
             self._eval_fn = tf.function(self._predict_step())
         else:
-            self._eval_fn = tf.function(self._distributed_step(train=False, prefix=prefix,
-                                                               evaluate=getattr(self.module, step)))
+            self._eval_fn = tf.function(
+                self._distributed_step(train=False, prefix=prefix, evaluate=getattr(self.module, step))
+            )
 
     def _predict_step(self) -> Any:
         module = self.module

@@ -25,8 +25,11 @@ class ScaledWarmup(keras.optimizers.schedules.LearningRateSchedule):
         return base * self.factor * tf.where(step < self.warmup_steps, ramp, 1.0)
 
     def get_config(self) -> dict[str, Any]:
-        return {"base": self.base if not callable(self.base) else keras.saving.serialize_keras_object(self.base),
-                "factor": self.factor, "warmup_steps": self.warmup_steps}
+        return {
+            "base": self.base if not callable(self.base) else keras.saving.serialize_keras_object(self.base),
+            "factor": self.factor,
+            "warmup_steps": self.warmup_steps,
+        }
 
 
 def with_policy(optimizer: Any, policy: LRPolicy) -> tuple[Any, ScaledWarmup]:

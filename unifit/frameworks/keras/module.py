@@ -43,7 +43,9 @@ class KerasModule(ModuleBase):
         raise NotImplementedError(f"{type(self).__name__} must define build_model() returning a keras.Model")
 
     def configure_optimizers(self) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers() returning a keras optimizer")
+        raise NotImplementedError(
+            f"{type(self).__name__} must define configure_optimizers() returning a keras optimizer"
+        )
 
     def loss(self, y: Any, y_pred: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define loss(y, y_pred) returning per-example losses")

@@ -102,8 +102,10 @@ class MixedPrecision(Precision):
     def state_dict(self) -> dict[str, Any]:
         if self.loss_scaler is None:
             return {}
-        return {"loss_scale": float(self.loss_scaler.dynamic_scale.numpy()),
-                "good_steps": int(self.loss_scaler.step_counter.numpy())}
+        return {
+            "loss_scale": float(self.loss_scaler.dynamic_scale.numpy()),
+            "good_steps": int(self.loss_scaler.step_counter.numpy()),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.loss_scaler is not None and "loss_scale" in state:

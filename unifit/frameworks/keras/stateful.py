@@ -20,8 +20,10 @@ class KerasMetricValue:
     def __init__(self, metric: Any, field: str) -> None:
         not_summed = [v.path for v in metric.variables if getattr(v, "aggregation", "sum") != "sum"]
         if not_summed:
-            raise ConfigError(f"{field}: {type(metric).__name__} keeps state that cannot be added over workers "
-                              f"({', '.join(not_summed)}); use a metric whose variables are counts or sums")
+            raise ConfigError(
+                f"{field}: {type(metric).__name__} keeps state that cannot be added over workers "
+                f"({', '.join(not_summed)}); use a metric whose variables are counts or sums"
+            )
         self.metric = metric
         self.name = type(metric).__name__
 
@@ -34,7 +36,7 @@ class KerasMetricValue:
         total = strategy.all_reduce_sum(flat)
         offset = 0
         for variable, array in zip(self.metric.variables, local):
-            variable.assign(total[offset:offset + array.size].reshape(array.shape).astype(array.dtype))
+            variable.assign(total[offset : offset + array.size].reshape(array.shape).astype(array.dtype))
             offset += array.size
         return np.asarray(self.metric.result())
 

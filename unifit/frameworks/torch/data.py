@@ -21,9 +21,7 @@ def as_dataset(data: Any, what: str) -> Dataset:
         if len(lengths) != 1:
             raise ConfigError(f"{what}: arrays have different lengths {sorted(lengths)}; give arrays of equal length")
         return TensorDataset(*tensors)
-    raise ConfigError(
-        f"{what}: received {type(data).__name__}; return a torch Dataset or a tuple of arrays (x, y)"
-    )
+    raise ConfigError(f"{what}: received {type(data).__name__}; return a torch Dataset or a tuple of arrays (x, y)")
 
 
 def _to_tensor(array: Any) -> torch.Tensor:
@@ -70,24 +68,41 @@ class ResumableSampler(Sampler[int]):
         return len(self.sampler)
 
 
-def train_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int, seed: int,
-                 drop_last: bool, num_workers: int, pin_memory: bool) -> DataLoader:
+def train_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    drop_last: bool,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
     """Each rank sees a disjoint 1/W of every epoch (torch pads the last shard to equal length,
     so every rank takes the same number of steps); call `.sampler.set_epoch(e, skip)` each epoch.
     The loader draws its worker seeds from its own generator, so iterating never moves the global
     RNG: a resumed run's dropout continues exactly where the checkpoint left it."""
-    sampler = ResumableSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                                  seed=seed, drop_last=drop_last))
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-                      num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
+    sampler = ResumableSampler(
+        DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
+    )
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
-def val_loader(dataset: Dataset, *, batch_size: int, world_size: int, rank: int,
-               num_workers: int, pin_memory: bool) -> DataLoader:
+def val_loader(
+    dataset: Dataset, *, batch_size: int, world_size: int, rank: int, num_workers: int, pin_memory: bool
+) -> DataLoader:
     sampler = ShardSampler(len(dataset), world_size, rank)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                      num_workers=num_workers, pin_memory=pin_memory)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
 
 
 def batch_sizes(loader: DataLoader, batches: int) -> tuple[int, int]:

@@ -15,16 +15,16 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
+from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.evaluation import TorchEvaluation
-from unifit.strategies.torch_device import torch_device
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import Precision, make_precision
 from unifit.strategies.sharded_state import SHARDS
+from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
-from unifit.frameworks.lr_policy import LRPolicy
 
 log = logging.getLogger("unifit")
 
@@ -62,16 +62,36 @@ class TorchEngine(TorchEvaluation, Engine):
         self._stream = iterable.is_stream(train)
         if self._stream:  # an IterableDataset: batches dealt to ranks and workers (iterable.py)
             self.train_loader = iterable.stream_loader(
-                train, "train_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1], train=True,
-                limit=cfg.limit_train_batches, num_workers=cfg.num_workers, pin_memory=pin)
+                train,
+                "train_dataset()",
+                batch_size=cfg.batch_size,
+                world_size=shards[0],
+                rank=shards[1],
+                train=True,
+                limit=cfg.limit_train_batches,
+                num_workers=cfg.num_workers,
+                pin_memory=pin,
+            )
         elif user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampling sharded
             self.train_loader = user_loaders.train_loader_from(
-                train, "train_dataloader()", world_size=shards[0], rank=shards[1], seed=cfg.seed,
-                drop_last=cfg.drop_last)
+                train,
+                "train_dataloader()",
+                world_size=shards[0],
+                rank=shards[1],
+                seed=cfg.seed,
+                drop_last=cfg.drop_last,
+            )
         else:
             self.train_loader = tdata.train_loader(
-                tdata.as_dataset(train, "train_dataset()"), batch_size=cfg.batch_size, world_size=shards[0],
-                rank=shards[1], seed=cfg.seed, drop_last=cfg.drop_last, num_workers=cfg.num_workers, pin_memory=pin)
+                tdata.as_dataset(train, "train_dataset()"),
+                batch_size=cfg.batch_size,
+                world_size=shards[0],
+                rank=shards[1],
+                seed=cfg.seed,
+                drop_last=cfg.drop_last,
+                num_workers=cfg.num_workers,
+                pin_memory=pin,
+            )
         train_ds = self.train_loader.dataset
         self._batches = len(self.train_loader)
         if cfg.limit_train_batches:
@@ -81,15 +101,22 @@ class TorchEngine(TorchEvaluation, Engine):
         if self._batches == 0:
             raise ConfigError(
                 f"trainer.batch_size: {cfg.batch_size} with drop_last leaves no training batch on rank "
-                f"{strategy.rank} ({len(train_ds)} samples over {strategy.world_size} ranks); lower batch_size")
+                f"{strategy.rank} ({len(train_ds)} samples over {strategy.world_size} ranks); lower batch_size"
+            )
         has_val_step = type(self.module).validation_step is not _base_validation_step()
         val, val_presharded = self._rank_data(self.data.val_dataset() if has_val_step else None)
         self.val_loader = None
         if val is not None and cfg.limit_val_batches != 0:
             shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
             self.val_loader = user_loaders.evaluation_loader(
-                val, "val_dataset()", batch_size=cfg.batch_size, world_size=shards[0], rank=shards[1],
-                num_workers=cfg.num_workers, pin_memory=pin)
+                val,
+                "val_dataset()",
+                batch_size=cfg.batch_size,
+                world_size=shards[0],
+                rank=shards[1],
+                num_workers=cfg.num_workers,
+                pin_memory=pin,
+            )
 
         self.accumulate = cfg.accumulate_grad_batches
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
@@ -102,26 +129,40 @@ class TorchEngine(TorchEvaluation, Engine):
         training = self.training = _torch_training(strategy)
         step_module = _StepModule(self.module)
         self.wrapped, optimizer = training.setup_module_and_optimizer(
-            step_module, self.optimizer, self.device, self.precision, self.accumulate)
+            step_module, self.optimizer, self.device, self.precision, self.accumulate
+        )
         if optimizer is not self.optimizer and self.scheduler is not None:
             self.scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
         self.optimizer = optimizer
         # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
         unwrapped = type(self.wrapped) is _StepModule
         self._forward = self.module.training_step if unwrapped else self.wrapped
-        self._validate = (functools.partial(self.wrapped, step="validation_step") if training.routes_all_steps
-                          else self.module.validation_step)
+        self._validate = (
+            functools.partial(self.wrapped, step="validation_step")
+            if training.routes_all_steps
+            else self.module.validation_step
+        )
         if cfg.compile:
             self._forward = _compiled(self._forward)
         # what TorchTraining's default step amounts to in full precision without accumulation or
         # clipping: loss.backward(), optimizer.step(), zero_grad(), called without its layers
-        self._plain = (type(self.precision) is Precision and self.accumulate == 1 and cfg.gradient_clip_val is None
-                       and all(getattr(type(training), hook) is getattr(TorchTraining, hook)
-                               for hook in ("backward", "synchronized_gradients", "optimizer_step")))
+        self._plain = (
+            type(self.precision) is Precision
+            and self.accumulate == 1
+            and cfg.gradient_clip_val is None
+            and all(
+                getattr(type(training), hook) is getattr(TorchTraining, hook)
+                for hook in ("backward", "synchronized_gradients", "optimizer_step")
+            )
+        )
         # samples per batch, known at set-up (a batch sampler of the user's may vary them: read from each batch)
         self._sizes: tuple[int, int] | None = (
-            (cfg.batch_size,) * 2 if self._stream else
-            None if self.train_loader.batch_size is None else tdata.batch_sizes(self.train_loader, self._batches))
+            (cfg.batch_size,) * 2
+            if self._stream
+            else None
+            if self.train_loader.batch_size is None
+            else tdata.batch_sizes(self.train_loader, self._batches)
+        )
 
     def _adopt_batch_size(self, train: Any) -> Any:
         """The run's config, with the training DataLoader's batch size when trainer.batch_size was not set."""
@@ -130,14 +171,20 @@ class TorchEngine(TorchEvaluation, Engine):
         if loader is None:
             return cfg
         if loader.batch_size is None and loader.batch_sampler is None and not iterable.is_stream(loader):
-            raise ConfigError("train_dataloader(): the DataLoader has batch_size=None (its dataset gives whole "
-                              "batches), so unifit cannot shard it by sample; give the DataLoader a batch_size")
+            raise ConfigError(
+                "train_dataloader(): the DataLoader has batch_size=None (its dataset gives whole "
+                "batches), so unifit cannot shard it by sample; give the DataLoader a batch_size"
+            )
         if user_loaders.loader_batch_size(loader) is None and iterable.is_stream(loader):
             return cfg  # a stream the loader does not batch: unifit batches it by trainer.batch_size
-        size = user_loaders.check_batch_size(loader, "train_dataloader()",
-                                             cfg.batch_size if cfg.batch_size_given else None)
-        return cfg if size == cfg.batch_size and cfg.batch_size_given else cfg.adopting_batch_size(
-            size, "the training DataLoader")
+        size = user_loaders.check_batch_size(
+            loader, "train_dataloader()", cfg.batch_size if cfg.batch_size_given else None
+        )
+        return (
+            cfg
+            if size == cfg.batch_size and cfg.batch_size_given
+            else cfg.adopting_batch_size(size, "the training DataLoader")
+        )
 
     # ---- facts ------------------------------------------------------------------------
     @property
@@ -226,8 +273,12 @@ class TorchEngine(TorchEvaluation, Engine):
     def end_of_epoch(self) -> None:
         self._epochs_done += 1
         schedule = self.schedule
-        if schedule is not None and schedule.interval == "epoch" and not schedule.monitor \
-                and self._epochs_done % schedule.frequency == 0:
+        if (
+            schedule is not None
+            and schedule.interval == "epoch"
+            and not schedule.monitor
+            and self._epochs_done % schedule.frequency == 0
+        ):
             schedule.scheduler.step()
 
     def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
@@ -239,8 +290,10 @@ class TorchEngine(TorchEvaluation, Engine):
         if schedule.monitor in metrics:
             schedule.scheduler.step(metrics[schedule.monitor])
         elif validated or not self.has_validation:
-            raise ConfigError(f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
-                              f"'{schedule.monitor}', which was not logged; logged metrics: {sorted(metrics)}")
+            raise ConfigError(
+                f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
+                f"'{schedule.monitor}', which was not logged; logged metrics: {sorted(metrics)}"
+            )
 
     def current_lrs(self) -> list[float]:
         ramp = self.policy.ramp(self._steps)
@@ -305,12 +358,19 @@ class TorchEngine(TorchEvaluation, Engine):
         saved_factor = state.get("lr_factor", self.policy.factor)
         if saved_factor != self.policy.factor:  # resumed on another world size: the lrs follow its scaling
             _scale_lrs(self.optimizer, self.scheduler, self.policy.factor / saved_factor)
-            log.info("resume: learning rates rescaled x%g (lr scaling %g when saved, %g now)",
-                     self.policy.factor / saved_factor, saved_factor, self.policy.factor)
+            log.info(
+                "resume: learning rates rescaled x%g (lr scaling %g when saved, %g now)",
+                self.policy.factor / saved_factor,
+                saved_factor,
+                self.policy.factor,
+            )
 
     def rng_state(self) -> dict[str, Any]:
-        return {**host_rng_state(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        return {
+            **host_rng_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
         set_host_rng_state(state)
@@ -323,8 +383,9 @@ class TorchEngine(TorchEvaluation, Engine):
         torch.manual_seed(seed)
 
     def start_sharded_write(self, payload: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
-        engine, shards = self.training.start_sharded_write(payload["engine"], f"{url}/{SHARDS}",
-                                                           self.config.storage_options)
+        engine, shards = self.training.start_sharded_write(
+            payload["engine"], f"{url}/{SHARDS}", self.config.storage_options
+        )
         return {**payload, "engine": engine}, shards
 
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
@@ -353,8 +414,10 @@ class TorchEngine(TorchEvaluation, Engine):
 
 def _torch_training(strategy: Any) -> TorchTraining:
     if not isinstance(strategy, TorchTraining):
-        raise ConfigError(f"trainer.strategy: {type(strategy).__name__} cannot train PyTorch modules (it does not "
-                          "mix in unifit.strategies.torch_training.TorchTraining); use a strategy that does, e.g. ddp")
+        raise ConfigError(
+            f"trainer.strategy: {type(strategy).__name__} cannot train PyTorch modules (it does not "
+            "mix in unifit.strategies.torch_training.TorchTraining); use a strategy that does, e.g. ddp"
+        )
     return strategy
 
 
@@ -379,7 +442,8 @@ def _configure_optimizers(module: torch.nn.Module) -> Any:
     except ValueError as exc:
         raise ConfigError(
             f"{type(module).__name__}.configure_optimizers() rejected its arguments: {exc}; "
-            "fix the module's init_args (e.g. a negative lr)") from None
+            "fix the module's init_args (e.g. a negative lr)"
+        ) from None
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -406,4 +470,3 @@ def _scale_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) 
             setattr(scheduler, attr, [v * factor for v in values])
     if scheduler is not None and hasattr(scheduler, "_last_lr"):
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-

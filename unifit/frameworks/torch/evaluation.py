@@ -18,8 +18,11 @@ from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
 
 # stage -> (the data provider's method, the module's step)
-_STAGES = {"validate": ("val_dataset", "validation_step"), "test": ("test_dataset", "test_step"),
-           "predict": ("predict_dataset", "predict_step")}
+_STAGES = {
+    "validate": ("val_dataset", "validation_step"),
+    "test": ("test_dataset", "test_step"),
+    "predict": ("predict_dataset", "predict_step"),
+}
 
 
 class TorchEvaluation:
@@ -41,11 +44,19 @@ class TorchEvaluation:
         dataset, presharded = self._stage_data(stage, source)
         world, rank = (1, 0) if presharded else (strategy.world_size, strategy.rank)
         if stage == "predict" and iterable.is_stream(dataset):
-            raise ConfigError(f"{source}(): an IterableDataset has no indices to put predictions in order by; "
-                              "give a map-style Dataset (with __len__ and __getitem__)")
+            raise ConfigError(
+                f"{source}(): an IterableDataset has no indices to put predictions in order by; "
+                "give a map-style Dataset (with __len__ and __getitem__)"
+            )
         self.eval_loader = user_loaders.evaluation_loader(
-            dataset, f"{source}()", batch_size=cfg.batch_size, world_size=world, rank=rank,
-            num_workers=cfg.num_workers, pin_memory=self.device.type == "cuda")
+            dataset,
+            f"{source}()",
+            batch_size=cfg.batch_size,
+            world_size=world,
+            rank=rank,
+            num_workers=cfg.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
         self._limit = cfg.limit_val_batches if stage == "validate" else None
         self._same_weights_everywhere()
 
@@ -53,7 +64,8 @@ class TorchEvaluation:
         """Rank 0's weights on every rank, as fit starts (a checkpoint's, loaded after, are the same anyway)."""
         if self.strategy.world_size > 1:
             state = self.strategy.broadcast_object(
-                {k: v.cpu() for k, v in self.module.state_dict().items()} if self.strategy.is_global_zero else None)
+                {k: v.cpu() for k, v in self.module.state_dict().items()} if self.strategy.is_global_zero else None
+            )
             self.module.load_state_dict(state)
 
     def _rank_zero_buffers(self) -> None:
@@ -94,8 +106,10 @@ class TorchEvaluation:
         if isinstance(outputs, dict):
             columns = {k: self.unbatch(v) for k, v in outputs.items()}
             return [dict(zip(columns, row)) for row in zip(*columns.values())]
-        raise ConfigError(f"predict_step returned a {type(outputs).__name__}; return a tensor (one row per sample), "
-                          "or a tuple or dict of them")
+        raise ConfigError(
+            f"predict_step returned a {type(outputs).__name__}; return a tensor (one row per sample), "
+            "or a tuple or dict of them"
+        )
 
     def collate(self, samples: list[Any]) -> Any:
         """The samples stacked back into batch-first tensors (of tuples and dicts alike)."""

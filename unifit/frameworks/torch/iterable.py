@@ -24,8 +24,16 @@ from unifit.errors import ConfigError
 
 
 class RankBatches(IterableDataset):
-    def __init__(self, stream: IterableDataset, *, batch_size: int, world_size: int, rank: int,
-                 collate_fn: Callable[[list[Any]], Any], per_epoch: int | None) -> None:
+    def __init__(
+        self,
+        stream: IterableDataset,
+        *,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        collate_fn: Callable[[list[Any]], Any],
+        per_epoch: int | None,
+    ) -> None:
         self.stream, self.batch_size, self.world_size, self.rank = stream, batch_size, world_size, rank
         self.collate_fn = collate_fn
         self.per_epoch = per_epoch  # batches this rank takes; None: all of its batches (validation)
@@ -65,9 +73,11 @@ class RankBatches(IterableDataset):
         if buffer and self.per_epoch is None:  # the last, partial batch (validation only)
             yield self.collate_fn(buffer)
         if self.per_epoch is not None and taken < self.per_epoch:
-            raise ConfigError(f"the IterableDataset ended after {taken} batches on rank {self.rank}, but every rank "
-                              f"takes {self.per_epoch} per epoch (from its __len__ or trainer.limit_train_batches); "
-                              "give a stream that is as long as it says")
+            raise ConfigError(
+                f"the IterableDataset ended after {taken} batches on rank {self.rank}, but every rank "
+                f"takes {self.per_epoch} per epoch (from its __len__ or trainer.limit_train_batches); "
+                "give a stream that is as long as it says"
+            )
 
 
 def is_stream(data: Any) -> bool:
@@ -75,34 +85,56 @@ def is_stream(data: Any) -> bool:
     return isinstance(dataset, IterableDataset)
 
 
-def stream_loader(data: Any, what: str, *, batch_size: int, world_size: int, rank: int, train: bool,
-                  limit: int | None, num_workers: int, pin_memory: bool) -> DataLoader:
+def stream_loader(
+    data: Any,
+    what: str,
+    *,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    train: bool,
+    limit: int | None,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
     """A DataLoader over this rank's batches of a stream (given alone or in the user's DataLoader,
     whose collate_fn, workers and pinning are kept)."""
     loader = data if isinstance(data, DataLoader) else None
     stream = loader.dataset if loader is not None else data
     if loader is not None and loader.batch_size not in (None, batch_size):
-        raise ConfigError(f"{what}: the DataLoader's batch_size is {loader.batch_size} but trainer.batch_size is "
-                          f"{batch_size}; set trainer.batch_size: {loader.batch_size}, or change the DataLoader")
+        raise ConfigError(
+            f"{what}: the DataLoader's batch_size is {loader.batch_size} but trainer.batch_size is "
+            f"{batch_size}; set trainer.batch_size: {loader.batch_size}, or change the DataLoader"
+        )
     per_epoch = None
     if train:
         try:
             per_epoch = len(stream) // batch_size // world_size
         except TypeError:
             if not limit:
-                raise ConfigError(f"{what}: the IterableDataset {type(stream).__name__} has no __len__, so no rank knows "
-                                  "where an epoch ends; set trainer.limit_train_batches (batches per rank per "
-                                  "epoch) or give the stream a __len__") from None
+                raise ConfigError(
+                    f"{what}: the IterableDataset {type(stream).__name__} has no __len__, so no rank knows "
+                    "where an epoch ends; set trainer.limit_train_batches (batches per rank per "
+                    "epoch) or give the stream a __len__"
+                ) from None
             per_epoch = limit
         if limit:
             per_epoch = min(per_epoch, limit)
         if per_epoch == 0:
-            raise ConfigError(f"{what}: {len(stream)} elements give no full batch of {batch_size} to each of "
-                              f"{world_size} ranks; lower trainer.batch_size")
+            raise ConfigError(
+                f"{what}: {len(stream)} elements give no full batch of {batch_size} to each of "
+                f"{world_size} ranks; lower trainer.batch_size"
+            )
     collate = loader.collate_fn if loader is not None else default_collate
     workers = loader.num_workers if loader is not None else num_workers
-    batches = RankBatches(stream, batch_size=batch_size, world_size=world_size, rank=rank, collate_fn=collate,
-                          per_epoch=per_epoch)
-    return DataLoader(batches, batch_size=None, num_workers=workers, generator=torch.Generator(),
-                      pin_memory=loader.pin_memory if loader is not None else pin_memory,
-                      worker_init_fn=loader.worker_init_fn if loader is not None else None)
+    batches = RankBatches(
+        stream, batch_size=batch_size, world_size=world_size, rank=rank, collate_fn=collate, per_epoch=per_epoch
+    )
+    return DataLoader(
+        batches,
+        batch_size=None,
+        num_workers=workers,
+        generator=torch.Generator(),
+        pin_memory=loader.pin_memory if loader is not None else pin_memory,
+        worker_init_fn=loader.worker_init_fn if loader is not None else None,
+    )

@@ -22,13 +22,37 @@ from unifit.strategies import environment
 
 # hooks Lightning calls inside its optimizer step; unifit's Strategy owns that step (backward,
 # gradient sync, unscale, clipping), so a module overriding one of them is refused, not half-run
-_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-               "optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping",
-               "lr_scheduler_step", "manual_backward", "configure_sharded_model")
+_STEP_HOOKS = (
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "backward",
+    "configure_gradient_clipping",
+    "lr_scheduler_step",
+    "manual_backward",
+    "configure_sharded_model",
+)
 # the Trainer attributes a LightningModule may read through self.trainer
-_TRAINER_FACTS = ("current_epoch", "global_step", "global_rank", "local_rank", "world_size", "num_nodes",
-                  "is_global_zero", "max_epochs", "callback_metrics", "logged_metrics", "training",
-                  "sanity_checking", "num_devices", "should_stop", "estimated_stepping_batches")
+_TRAINER_FACTS = (
+    "current_epoch",
+    "global_step",
+    "global_rank",
+    "local_rank",
+    "world_size",
+    "num_nodes",
+    "is_global_zero",
+    "max_epochs",
+    "callback_metrics",
+    "logged_metrics",
+    "training",
+    "sanity_checking",
+    "num_devices",
+    "should_stop",
+    "estimated_stepping_batches",
+)
 # Trainer.validate/test/predict -> the word in Lightning's hook names
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 
@@ -43,8 +67,10 @@ def is_lightning_datamodule(obj: Any) -> bool:
 
 def _derives_from(obj: Any, name: str) -> bool:
     """Checked by name, so that neither lightning nor pytorch_lightning is imported to ask."""
-    return any(c.__name__ == name and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
-               for c in type(obj).__mro__)
+    return any(
+        c.__name__ == name and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+        for c in type(obj).__mro__
+    )
 
 
 def _overrides(obj: Any, hook: str) -> bool:
@@ -119,8 +145,10 @@ class TrainerView:
     logged_metrics = callback_metrics
 
     def __getattr__(self, name: str) -> Any:
-        raise ConfigError(f"self.trainer.{name}: unifit runs this LightningModule without a Lightning Trainer; "
-                          f"it offers {', '.join(_TRAINER_FACTS)} (see docs/lightning.md)")
+        raise ConfigError(
+            f"self.trainer.{name}: unifit runs this LightningModule without a Lightning Trainer; "
+            f"it offers {', '.join(_TRAINER_FACTS)} (see docs/lightning.md)"
+        )
 
 
 class LightningAdapter(TrainModule):
@@ -130,13 +158,17 @@ class LightningAdapter(TrainModule):
         super().__init__()
         name = type(lightning_module).__name__
         if not lightning_module.automatic_optimization:
-            raise ConfigError(f"module: {name} sets automatic_optimization = False (manual optimization); unifit "
-                              "runs the optimizer step itself: return the loss from training_step instead")
+            raise ConfigError(
+                f"module: {name} sets automatic_optimization = False (manual optimization); unifit "
+                "runs the optimizer step itself: return the loss from training_step instead"
+            )
         overridden = [hook for hook in _STEP_HOOKS if _overrides(lightning_module, hook)]
         if overridden:
-            raise ConfigError(f"module: {name} overrides {', '.join(overridden)}, which run inside Lightning's "
-                              "optimizer step; unifit's strategy owns that step (use trainer.gradient_clip_val for "
-                              "clipping, a unifit Callback for the rest) — remove them to train it with unifit")
+            raise ConfigError(
+                f"module: {name} overrides {', '.join(overridden)}, which run inside Lightning's "
+                "optimizer step; unifit's strategy owns that step (use trainer.gradient_clip_val for "
+                "clipping, a unifit Callback for the rest) — remove them to train it with unifit"
+            )
         self.lightning = lightning_module
         self.datamodule = datamodule
         self.view = TrainerView()
@@ -162,7 +194,7 @@ class LightningAdapter(TrainModule):
     def setup_stage(self, stage: str) -> None:
         self.stage = stage
 
-    def to(self, *args: Any, **kwargs: Any) -> "LightningAdapter":
+    def to(self, *args: Any, **kwargs: Any) -> LightningAdapter:
         self._prepare()  # the engine's first call: Lightning's set-up hooks run before the model is placed
         self.lightning.to(*args, **kwargs)
         return self
@@ -182,8 +214,10 @@ class LightningAdapter(TrainModule):
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         out = self._call_step(self.lightning.training_step, batch, batch_idx)
         if out is None:
-            raise ConfigError(f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
-                              "rank must take every step under distributed training: return the loss")
+            raise ConfigError(
+                f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
+                "rank must take every step under distributed training: return the loss"
+            )
         return out
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
@@ -253,33 +287,53 @@ class LightningAdapter(TrainModule):
         owner = next((p for p in (self.datamodule, self.lightning) if p is not None and _overrides(p, hook)), None)
         if owner is None:
             if required:
-                raise ConfigError(f"module: {type(self.lightning).__name__} has no {hook}(); define it or pass a "
-                                  "LightningDataModule (data: in the YAML, Trainer.fit(module, data=...))")
+                raise ConfigError(
+                    f"module: {type(self.lightning).__name__} has no {hook}(); define it or pass a "
+                    "LightningDataModule (data: in the YAML, Trainer.fit(module, data=...))"
+                )
             return None
         loader = getattr(owner, hook)()
         if isinstance(loader, (list, tuple, dict)):
             if len(loader) != 1:
-                raise ConfigError(f"{type(owner).__name__}.{hook}() returned {len(loader)} loaders; unifit trains "
-                                  "and validates on one loader: combine them into one dataset")
+                raise ConfigError(
+                    f"{type(owner).__name__}.{hook}() returned {len(loader)} loaders; unifit trains "
+                    "and validates on one loader: combine them into one dataset"
+                )
             loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
         return loader
 
     # ---- logging -------------------------------------------------------------------------------
-    def _log(self, name: str, value: Any, prog_bar: bool = False, logger: bool | None = None,
-             on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
-             enable_graph: bool = False, sync_dist: bool = False, sync_dist_group: Any = None,
-             add_dataloader_idx: bool = True, batch_size: int | None = None, metric_attribute: str | None = None,
-             rank_zero_only: bool = False) -> None:
+    def _log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
         """Lightning's self.log: an epoch mean over every rank, weighted by `batch_size` (exact, so
         sync_dist is always on), or a torchmetrics Metric computed over every rank's states at the
         epoch's end; on_step / prog_bar / logger only change where Lightning shows it."""
         where = f"{type(self.lightning).__name__}: self.log({name!r}, ...)"
         if reduce_fx not in ("mean", torch.mean):
-            raise ConfigError(f"{where}: reduce_fx={reduce_fx!r}; unifit logs sample-weighted means over all ranks "
-                              "only: log the values to average, or compute the statistic yourself")
+            raise ConfigError(
+                f"{where}: reduce_fx={reduce_fx!r}; unifit logs sample-weighted means over all ranks "
+                "only: log the values to average, or compute the statistic yourself"
+            )
         if not self._in_step:
-            raise ConfigError(f"{where} outside training_step/validation_step: unifit reduces metrics when the "
-                              "loop ends; log inside a step (the epoch mean over all ranks is computed for you)")
+            raise ConfigError(
+                f"{where} outside training_step/validation_step: unifit reduces metrics when the "
+                "loop ends; log inside a step (the epoch mean over all ranks is computed for you)"
+            )
         self.log(name, value, batch_size=batch_size)
 
     def _log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
@@ -292,6 +346,8 @@ class LightningAdapter(TrainModule):
         own = self.lightning.configure_callbacks()
         if own:
             kinds = ", ".join(type(c).__name__ for c in (own if isinstance(own, (list, tuple)) else [own]))
-            raise ConfigError(f"module: {type(self.lightning).__name__}.configure_callbacks() returned Lightning "
-                              f"callbacks ({kinds}); unifit runs unifit.Callback subclasses (trainer.callbacks)")
+            raise ConfigError(
+                f"module: {type(self.lightning).__name__}.configure_callbacks() returned Lightning "
+                f"callbacks ({kinds}); unifit runs unifit.Callback subclasses (trainer.callbacks)"
+            )
         return list(self.hooks)

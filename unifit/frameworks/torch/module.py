@@ -44,8 +44,10 @@ class TrainModule(ModuleBase, torch.nn.Module):
         """Optional; without it validation is skipped."""
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        raise ConfigError(f"{type(self).__name__} has no test_step(batch, batch_idx); define it (log metrics with "
-                          "self.log, as in validation_step) to run Trainer.test")
+        raise ConfigError(
+            f"{type(self).__name__} has no test_step(batch, batch_idx); define it (log metrics with "
+            "self.log, as in validation_step) to run Trainer.test"
+        )
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

@@ -17,9 +17,11 @@ import torch
 
 from unifit.errors import ConfigError
 
-_FORMS = ("return one torch optimizer, (optimizer, scheduler), ([optimizer], [scheduler]) or "
-          "{'optimizer': ..., 'lr_scheduler': scheduler or {'scheduler': ..., 'interval': 'epoch'|'step', "
-          "'frequency': N, 'monitor': 'val/loss'}}")
+_FORMS = (
+    "return one torch optimizer, (optimizer, scheduler), ([optimizer], [scheduler]) or "
+    "{'optimizer': ..., 'lr_scheduler': scheduler or {'scheduler': ..., 'interval': 'epoch'|'step', "
+    "'frequency': N, 'monitor': 'val/loss'}}"
+)
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 
 
@@ -52,13 +54,16 @@ def parse_optimizers(result: Any, module_name: str) -> tuple[torch.optim.Optimiz
         optimizers, schedulers = [result], []
     if len(optimizers) != 1:
         kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
-        raise ConfigError(f"{where} returned {len(optimizers)} optimizers ({kinds}); unifit trains one optimizer "
-                          "per module (several optimizers / manual optimization are not supported); "
-                          "put all parameters in one optimizer with param groups")
+        raise ConfigError(
+            f"{where} returned {len(optimizers)} optimizers ({kinds}); unifit trains one optimizer "
+            "per module (several optimizers / manual optimization are not supported); "
+            "put all parameters in one optimizer with param groups"
+        )
     optimizer = optimizers[0]
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"{where} returned {type(result).__name__} whose optimizer is a "
-                          f"{type(optimizer).__name__}; {_FORMS}")
+        raise ConfigError(
+            f"{where} returned {type(result).__name__} whose optimizer is a {type(optimizer).__name__}; {_FORMS}"
+        )
     for i, group in enumerate(optimizer.param_groups):
         if group["lr"] < 0:
             raise ConfigError(f"{where}: param group {i} has lr={group['lr']}; the learning rate must be >= 0")
@@ -68,8 +73,10 @@ def parse_optimizers(result: Any, module_name: str) -> tuple[torch.optim.Optimiz
         return optimizer, None
     spec = _scheduler_spec(schedulers[0], where, top_monitor, top_interval)
     if spec.scheduler.optimizer is not optimizer:
-        raise ConfigError(f"{where}: the scheduler {type(spec.scheduler).__name__} was built for another "
-                          "optimizer than the one returned; build it with the returned optimizer")
+        raise ConfigError(
+            f"{where}: the scheduler {type(spec.scheduler).__name__} was built for another "
+            "optimizer than the one returned; build it with the returned optimizer"
+        )
     return optimizer, spec
 
 
@@ -93,24 +100,34 @@ def _scheduler_spec(entry: Any, where: str, monitor: str | None, interval: str |
     if isinstance(entry, dict):
         unknown = set(entry) - _SCHEDULER_KEYS
         if unknown or "scheduler" not in entry:
-            raise ConfigError(f"{where}: the lr_scheduler dict needs 'scheduler' and takes only {sorted(_SCHEDULER_KEYS)}; "
-                              f"received keys {sorted(entry)}")
+            raise ConfigError(
+                f"{where}: the lr_scheduler dict needs 'scheduler' and takes only {sorted(_SCHEDULER_KEYS)}; "
+                f"received keys {sorted(entry)}"
+            )
         options, entry = entry, entry["scheduler"]
     if not _is_scheduler(entry):
         raise ConfigError(f"{where}: lr_scheduler is a {type(entry).__name__}, not a torch LR scheduler; {_FORMS}")
-    spec = SchedulerSpec(entry, interval=options.get("interval", interval or "epoch"),
-                         frequency=options.get("frequency", 1), monitor=options.get("monitor", monitor))
+    spec = SchedulerSpec(
+        entry,
+        interval=options.get("interval", interval or "epoch"),
+        frequency=options.get("frequency", 1),
+        monitor=options.get("monitor", monitor),
+    )
     if spec.interval not in ("epoch", "step"):
         raise ConfigError(f"{where}: interval received {spec.interval!r}; use 'epoch' or 'step'")
     if not isinstance(spec.frequency, int) or spec.frequency < 1:
         raise ConfigError(f"{where}: frequency received {spec.frequency!r}; use a positive integer")
     plateau = isinstance(entry, torch.optim.lr_scheduler.ReduceLROnPlateau)
     if plateau and not spec.monitor:
-        raise ConfigError(f"{where}: ReduceLROnPlateau needs the metric it watches; return "
-                          "{'optimizer': opt, 'lr_scheduler': {'scheduler': sched, 'monitor': 'val/loss'}}")
+        raise ConfigError(
+            f"{where}: ReduceLROnPlateau needs the metric it watches; return "
+            "{'optimizer': opt, 'lr_scheduler': {'scheduler': sched, 'monitor': 'val/loss'}}"
+        )
     if spec.monitor and not plateau:
-        raise ConfigError(f"{where}: 'monitor' is given for {type(entry).__name__}, which takes no metric; "
-                          "remove 'monitor' or use ReduceLROnPlateau")
+        raise ConfigError(
+            f"{where}: 'monitor' is given for {type(entry).__name__}, which takes no metric; "
+            "remove 'monitor' or use ReduceLROnPlateau"
+        )
     if spec.monitor and spec.interval != "epoch":
         raise ConfigError(f"{where}: a monitored scheduler steps after validation; use interval 'epoch'")
     return spec

@@ -15,7 +15,6 @@ import torch
 
 from unifit.errors import ConfigError, first_line
 
-
 _PLAIN = contextlib.nullcontext()  # reusable: no per-step allocation in full precision
 
 
@@ -88,9 +87,11 @@ def _cpu_float16() -> Iterator[None]:
         except RuntimeError as exc:
             if "could not create a primitive" not in str(exc):
                 raise
-            raise ConfigError(f"trainer.precision: '16-mixed' on CPU, but a layer of this model has no float16 CPU "
-                              f"kernel in torch ({first_line(exc)[:60]}...); use 'bf16-mixed' on CPU, or "
-                              "'16-mixed' on a GPU") from None
+            raise ConfigError(
+                f"trainer.precision: '16-mixed' on CPU, but a layer of this model has no float16 CPU "
+                f"kernel in torch ({first_line(exc)[:60]}...); use 'bf16-mixed' on CPU, or "
+                "'16-mixed' on a GPU"
+            ) from None
 
 
 def make_precision(name: str, device: torch.device) -> Precision:
@@ -104,11 +105,14 @@ def make_precision(name: str, device: torch.device) -> Precision:
 def _check_supported(name: str, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse at set-up, in one line, what would fail (or silently run in float32) later."""
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"trainer.precision: received '{name}', but {torch.cuda.get_device_name(device)} has no "
-                          "bfloat16 support; use '16-mixed' or '32-true'")
+        raise ConfigError(
+            f"trainer.precision: received '{name}', but {torch.cuda.get_device_name(device)} has no "
+            "bfloat16 support; use '16-mixed' or '32-true'"
+        )
     if not torch.amp.is_autocast_available(device.type):
-        raise ConfigError(f"trainer.precision: received '{name}', but torch has no autocast for device "
-                          f"'{device.type}'; use '32-true'")
+        raise ConfigError(
+            f"trainer.precision: received '{name}', but torch has no autocast for device '{device.type}'; use '32-true'"
+        )
     try:
         with torch.autocast(device.type, dtype=dtype):
             torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
@@ -116,5 +120,7 @@ def _check_supported(name: str, dtype: torch.dtype, device: torch.device) -> Non
             torch.amp.GradScaler(device.type)
     except (RuntimeError, AssertionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"trainer.precision: received '{name}', which torch {torch.__version__} does not support "
-                          f"on {device.type} ({first}); use '32-true' or 'bf16-mixed'") from None
+        raise ConfigError(
+            f"trainer.precision: received '{name}', which torch {torch.__version__} does not support "
+            f"on {device.type} ({first}); use '32-true' or 'bf16-mixed'"
+        ) from None

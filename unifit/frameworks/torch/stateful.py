@@ -36,16 +36,22 @@ class TorchmetricValue:
 
     def state(self) -> dict[str, Any]:
         """The metric's states on the host (a mid-epoch checkpoint)."""
-        return {name: [t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu()
-                for name, value in self.metric.metric_state.items()}
+        return {
+            name: [t.detach().cpu() for t in value] if isinstance(value, list) else value.detach().cpu()
+            for name, value in self.metric.metric_state.items()
+        }
 
     def merge(self, state: dict[str, Any]) -> None:
         """Add a checkpoint's states to the metric's (torchmetrics' merge_state: its own reductions)."""
         device = self.metric.device
-        moved = {name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
-                 for name, value in state.items()}
+        moved = {
+            name: [t.to(device) for t in value] if isinstance(value, list) else value.to(device)
+            for name, value in state.items()
+        }
         try:
             self.metric.merge_state(moved)
         except RuntimeError as exc:
-            raise ConfigError(f"metric {self.name}: its state from the mid-epoch checkpoint cannot be merged "
-                              f"({exc}); resume from a checkpoint taken at an epoch end") from None
+            raise ConfigError(
+                f"metric {self.name}: its state from the mid-epoch checkpoint cannot be merged "
+                f"({exc}); resume from a checkpoint taken at an epoch end"
+            ) from None

@@ -44,33 +44,46 @@ def check_batch_size(loader: DataLoader, what: str, batch_size: int | None) -> i
     own = loader_batch_size(loader)
     if batch_size is None:
         if own is None:
-            raise ConfigError(f"{what}: the DataLoader's batch sampler ({type(loader.batch_sampler).__name__}) has no "
-                              "batch_size, so unifit cannot tell the batch size to scale the learning rate by; set "
-                              "trainer.batch_size (samples per batch, per replica)")
+            raise ConfigError(
+                f"{what}: the DataLoader's batch sampler ({type(loader.batch_sampler).__name__}) has no "
+                "batch_size, so unifit cannot tell the batch size to scale the learning rate by; set "
+                "trainer.batch_size (samples per batch, per replica)"
+            )
         return own
     if own is not None and own != batch_size:
-        raise ConfigError(f"{what}: the DataLoader's batch_size is {own} but trainer.batch_size is {batch_size}; "
-                          f"unifit scales the learning rate and counts samples by the batch size (per replica): "
-                          f"leave trainer.batch_size unset to use the DataLoader's, set it to {own}, or change the "
-                          "DataLoader")
+        raise ConfigError(
+            f"{what}: the DataLoader's batch_size is {own} but trainer.batch_size is {batch_size}; "
+            f"unifit scales the learning rate and counts samples by the batch size (per replica): "
+            f"leave trainer.batch_size unset to use the DataLoader's, set it to {own}, or change the "
+            "DataLoader"
+        )
     return batch_size
 
 
-def train_loader_from(loader: DataLoader, what: str, *, world_size: int, rank: int, seed: int,
-                      drop_last: bool) -> DataLoader:
+def train_loader_from(
+    loader: DataLoader, what: str, *, world_size: int, rank: int, seed: int, drop_last: bool
+) -> DataLoader:
     """This rank's training loader; call set_epoch(loader, epoch, skip_batches) each epoch."""
     if _own_batch_sampler(loader):
-        batches = ShardedBatchSampler(loader.batch_sampler, what, world_size=world_size, rank=rank, seed=seed,
-                                      train=True)
+        batches = ShardedBatchSampler(
+            loader.batch_sampler, what, world_size=world_size, rank=rank, seed=seed, train=True
+        )
         return _rebuilt(loader, batch_sampler=batches, generator=torch.Generator().manual_seed(seed))
     drop = drop_last or loader.drop_last
     sampler: Sampler
     if _own_sampler(loader):
         sampler = ShardedUserSampler(loader.sampler, what, world_size=world_size, rank=rank, seed=seed, train=True)
     else:
-        sampler = ResumableSampler(DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                                                      shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
-                                                      drop_last=drop))
+        sampler = ResumableSampler(
+            DistributedSampler(
+                loader.dataset,
+                num_replicas=world_size,
+                rank=rank,
+                shuffle=isinstance(loader.sampler, RandomSampler),
+                seed=seed,
+                drop_last=drop,
+            )
+        )
     return _rebuilt(loader, sampler=sampler, drop_last=drop, generator=torch.Generator().manual_seed(seed))
 
 
@@ -84,25 +97,48 @@ def set_epoch(loader: DataLoader, epoch: int, skip_batches: int) -> None:
 
 def val_loader_from(loader: DataLoader, what: str, *, world_size: int, rank: int) -> DataLoader:
     if _own_batch_sampler(loader):
-        return _rebuilt(loader, batch_sampler=ShardedBatchSampler(loader.batch_sampler, what, world_size=world_size,
-                                                                  rank=rank, seed=0, train=False))
-    sampler: Sampler = (ShardedUserSampler(loader.sampler, what, world_size=world_size, rank=rank, seed=0, train=False)
-                        if _own_sampler(loader) else ShardSampler(len(loader.dataset), world_size, rank))
+        return _rebuilt(
+            loader,
+            batch_sampler=ShardedBatchSampler(
+                loader.batch_sampler, what, world_size=world_size, rank=rank, seed=0, train=False
+            ),
+        )
+    sampler: Sampler = (
+        ShardedUserSampler(loader.sampler, what, world_size=world_size, rank=rank, seed=0, train=False)
+        if _own_sampler(loader)
+        else ShardSampler(len(loader.dataset), world_size, rank)
+    )
     return _rebuilt(loader, sampler=sampler, drop_last=False)
 
 
-def evaluation_loader(data: Any, what: str, *, batch_size: int, world_size: int, rank: int, num_workers: int,
-                      pin_memory: bool) -> DataLoader:
+def evaluation_loader(
+    data: Any, what: str, *, batch_size: int, world_size: int, rank: int, num_workers: int, pin_memory: bool
+) -> DataLoader:
     """This rank's disjoint part of validation, test or predict data, whatever form it came in: a
     stream, the user's DataLoader (its own batch size), or a dataset / arrays for unifit's own loader."""
     if iterable.is_stream(data):
         own = loader_batch_size(data) if is_loader(data) else None
-        return iterable.stream_loader(data, what, batch_size=own or batch_size, world_size=world_size, rank=rank,
-                                      train=False, limit=None, num_workers=num_workers, pin_memory=pin_memory)
+        return iterable.stream_loader(
+            data,
+            what,
+            batch_size=own or batch_size,
+            world_size=world_size,
+            rank=rank,
+            train=False,
+            limit=None,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
     if is_loader(data):
         return val_loader_from(data, what, world_size=world_size, rank=rank)
-    return val_loader(as_dataset(data, what), batch_size=batch_size, world_size=world_size, rank=rank,
-                      num_workers=num_workers, pin_memory=pin_memory)
+    return val_loader(
+        as_dataset(data, what),
+        batch_size=batch_size,
+        world_size=world_size,
+        rank=rank,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
 
 
 def shard_indices(loader: DataLoader) -> list[int]:
@@ -119,14 +155,30 @@ def _own_sampler(loader: DataLoader) -> bool:
     return type(loader.sampler) not in (RandomSampler, SequentialSampler)
 
 
-def _rebuilt(loader: DataLoader, *, sampler: Sampler | None = None, batch_sampler: Sampler | None = None,
-             drop_last: bool = False, generator: Any = None) -> DataLoader:
+def _rebuilt(
+    loader: DataLoader,
+    *,
+    sampler: Sampler | None = None,
+    batch_sampler: Sampler | None = None,
+    drop_last: bool = False,
+    generator: Any = None,
+) -> DataLoader:
     workers = loader.num_workers
-    batching: dict[str, Any] = ({"batch_sampler": batch_sampler} if batch_sampler is not None else
-                                {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": drop_last})
-    return DataLoader(loader.dataset, **batching,
-                      collate_fn=loader.collate_fn, num_workers=workers, pin_memory=loader.pin_memory,
-                      worker_init_fn=loader.worker_init_fn, timeout=loader.timeout,
-                      multiprocessing_context=loader.multiprocessing_context if workers else None,
-                      prefetch_factor=loader.prefetch_factor if workers else None,
-                      persistent_workers=workers > 0, generator=generator or loader.generator)
+    batching: dict[str, Any] = (
+        {"batch_sampler": batch_sampler}
+        if batch_sampler is not None
+        else {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": drop_last}
+    )
+    return DataLoader(
+        loader.dataset,
+        **batching,
+        collate_fn=loader.collate_fn,
+        num_workers=workers,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+        timeout=loader.timeout,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=workers > 0,
+        generator=generator or loader.generator,
+    )

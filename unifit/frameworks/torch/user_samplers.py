@@ -41,8 +41,10 @@ def _draw(sampler: Any, seed: int) -> list[Any]:
 
 def _length(sampler: Any, what: str) -> int:
     if not isinstance(sampler, Sized):
-        raise ConfigError(f"{what}: the DataLoader's {type(sampler).__name__} has no __len__, so no rank knows where an "
-                          "epoch ends; give it a __len__")
+        raise ConfigError(
+            f"{what}: the DataLoader's {type(sampler).__name__} has no __len__, so no rank knows where an "
+            "epoch ends; give it a __len__"
+        )
     return len(sampler)
 
 
@@ -63,14 +65,14 @@ class ShardedUserSampler(Sampler[int]):
         drawn = _draw(self.sampler, self.seed * 1_000_003 + self.epoch)
         if self.train and len(drawn) % self.world_size:
             drawn += drawn[: self.world_size - len(drawn) % self.world_size]
-        return drawn[self.rank::self.world_size]
+        return drawn[self.rank :: self.world_size]
 
     @property
     def indices(self) -> list[int]:
         return self._share()
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._share()[self._skip:])
+        return iter(self._share()[self._skip :])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -80,14 +82,21 @@ class ShardedBatchSampler(Sampler[list[int]]):
     """This rank's batches of the user's batch sampler's epoch: batch j goes to rank j mod W."""
 
     def __init__(self, batch_sampler: Any, what: str, *, world_size: int, rank: int, seed: int, train: bool) -> None:
-        self.batch_sampler, self.world_size, self.rank, self.seed, self.train = (batch_sampler, world_size, rank,
-                                                                                   seed, train)
+        self.batch_sampler, self.world_size, self.rank, self.seed, self.train = (
+            batch_sampler,
+            world_size,
+            rank,
+            seed,
+            train,
+        )
         self.epoch, self._skip = 0, 0
         n = _length(batch_sampler, what)
         self.num_batches = n // world_size if train else len(range(rank, n, world_size))
         if train and self.num_batches == 0:
-            raise ConfigError(f"{what}: the DataLoader's batch sampler gives {n} batches per epoch, fewer than the "
-                              f"{world_size} ranks; give it more batches or use fewer ranks")
+            raise ConfigError(
+                f"{what}: the DataLoader's batch sampler gives {n} batches per epoch, fewer than the "
+                f"{world_size} ranks; give it more batches or use fewer ranks"
+            )
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """`skip`: batches of this rank's share already trained on (a mid-epoch resume)."""
@@ -95,7 +104,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def _share(self) -> list[list[int]]:
         drawn = _draw(self.batch_sampler, self.seed * 1_000_003 + self.epoch)
-        mine = drawn[self.rank::self.world_size]
+        mine = drawn[self.rank :: self.world_size]
         return mine[: self.num_batches]
 
     @property
@@ -107,7 +116,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return getattr(self.batch_sampler, "batch_size", None)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._share()[self._skip:])
+        return iter(self._share()[self._skip :])
 
     def __len__(self) -> int:
         return self.num_batches

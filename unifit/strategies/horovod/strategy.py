@@ -88,24 +88,37 @@ class HorovodStrategy(Strategy, TorchTraining, KerasTraining):
             raise ConfigError(
                 f"trainer.strategy: horovod: this process is one of {self.env.world_size} ({self.env.source}), but "
                 "Horovod sees a world of 1, so each would train alone; start the ranks with horovodrun: unifit "
-                "launch --nproc-per-node N, see docs/clusters.md")
+                "launch --nproc-per-node N, see docs/clusters.md"
+            )
         self.env = dataclasses.replace(
-            self.env, rank=hvd.rank(), world_size=hvd.size(), local_rank=hvd.local_rank(),
-            local_world_size=hvd.local_size(), node_rank=hvd.cross_rank(), source="horovod")
+            self.env,
+            rank=hvd.rank(),
+            world_size=hvd.size(),
+            local_rank=hvd.local_rank(),
+            local_world_size=hvd.local_size(),
+            node_rank=hvd.cross_rank(),
+            source="horovod",
+        )
         if hvd.size() == 1 and not launched:
-            log.warning("horovod: no launcher environment found (HOROVOD_RANK/OMPI_COMM_WORLD_RANK unset), running a "
-                        "world of size 1; start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>")
+            log.warning(
+                "horovod: no launcher environment found (HOROVOD_RANK/OMPI_COMM_WORLD_RANK unset), running a "
+                "world of size 1; start N processes with: unifit launch --nproc-per-node N -c <experiment.yaml>"
+            )
         self.adapter.pin_device(self.local_rank, self.accelerator)
-        self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank)) \
-            if self.world_size > 1 else None
+        self.watchdog = (
+            CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank)) if self.world_size > 1 else None
+        )
 
     def _configure_environment(self) -> None:
         """Horovod reads its settings from the environment at init; a user's own values win."""
         timeout = max(1, round(self.collective_timeout_s))
         options = self.options
         settings = {
-            **({"HOROVOD_FUSION_THRESHOLD": str(int(options.fusion_threshold_mb * 1024 * 1024))}
-               if options.fusion_threshold_mb else {}),
+            **(
+                {"HOROVOD_FUSION_THRESHOLD": str(int(options.fusion_threshold_mb * 1024 * 1024))}
+                if options.fusion_threshold_mb
+                else {}
+            ),
             **({"HOROVOD_CYCLE_TIME": f"{options.cycle_time_ms:g}"} if options.cycle_time_ms else {}),
             # a missing rank: Horovod's stall inspector warns, then shuts down (unifit's watchdog
             # is what ends a stuck rank: the inspector never fired with gloo in our tests)
@@ -170,8 +183,10 @@ class HorovodStrategy(Strategy, TorchTraining, KerasTraining):
         with self.collective(f"barrier '{name}'"):
             names = list(self.hvd.allgather_object(name, name="unifit.barrier"))
         if len(set(names)) > 1:
-            raise DistributedError(f"barrier '{name}' on rank {self.rank}: ranks reached different barriers {names}; "
-                                   "every rank must call the same ones in the same order")
+            raise DistributedError(
+                f"barrier '{name}' on rank {self.rank}: ranks reached different barriers {names}; "
+                "every rank must call the same ones in the same order"
+            )
 
     def collective_guard(self, what: str) -> ContextManager[Any]:
         return self.collective(what)
@@ -201,7 +216,9 @@ def import_horovod(part: str, flag: str) -> Any:
             raise MissingExtraError(
                 "strategy horovod needs Horovod, which is not installed; fix: bash scripts/build_horovod.sh "
                 "<your venv> (builds Horovod 0.28.1 for CPU/gloo with the fixes torch 2.x and TF 2.21 need), or on "
-                f"GPUs: HOROVOD_GPU_OPERATIONS=NCCL {flag}=1 pip install --no-cache-dir horovod") from exc
+                f"GPUs: HOROVOD_GPU_OPERATIONS=NCCL {flag}=1 pip install --no-cache-dir horovod"
+            ) from exc
         raise MissingExtraError(
             f"strategy horovod: Horovod is installed without its {part} part ({exc}); fix: rebuild it with "
-            f"{flag}=1, e.g. bash scripts/build_horovod.sh <your venv>") from exc
+            f"{flag}=1, e.g. bash scripts/build_horovod.sh <your venv>"
+        ) from exc

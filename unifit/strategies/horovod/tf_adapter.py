@@ -47,8 +47,9 @@ class TFHorovod(Adapter):
         hvd = self.hvd
         present = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
         compression = hvd.Compression.fp16 if self.strategy.options.compression == "fp16" else hvd.Compression.none
-        reduced = hvd.grouped_allreduce([grads[i] for i in present], op=hvd.Average, compression=compression,
-                                        name="unifit.gradients")
+        reduced = hvd.grouped_allreduce(
+            [grads[i] for i in present], op=hvd.Average, compression=compression, name="unifit.gradients"
+        )
         out = list(grads)
         for i, g in zip(present, reduced):
             out[i] = g

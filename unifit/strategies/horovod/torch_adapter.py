@@ -38,8 +38,13 @@ class TorchHorovod(Adapter):
         with self.strategy.collective("broadcast of the initial parameters"):
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         compression = hvd.Compression.fp16 if self.strategy.options.compression == "fp16" else hvd.Compression.none
-        return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average,
-                                        backward_passes_per_step=accumulate, compression=compression)
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            op=hvd.Average,
+            backward_passes_per_step=accumulate,
+            compression=compression,
+        )
 
     @contextlib.contextmanager
     def synchronized_gradients(self, optimizer: Any) -> Iterator[None]:

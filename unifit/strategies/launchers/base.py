@@ -15,7 +15,6 @@ from typing import Any
 
 from unifit.errors import ConfigError
 
-
 # `unifit launch --strategy NAME -- SCRIPT.py` tells the script's processes the strategy they were started for
 LAUNCH_STRATEGY_ENV = "UNIFIT_LAUNCH_STRATEGY"
 
@@ -61,7 +60,8 @@ class Launcher(ABC):
             raise ConfigError(
                 f"--max-restarts {spec.max_restarts}: strategy '{self.strategy}' has no restarting launcher (only "
                 "torchrun's elastic agent restarts ranks: ddp, smddp-like, fsdp); restart the whole command instead "
-                "(e.g. a Kubernetes restartPolicy or a shell loop) with --ckpt-path auto")
+                "(e.g. a Kubernetes restartPolicy or a shell loop) with --ckpt-path auto"
+            )
 
 
 def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:
@@ -107,8 +107,10 @@ def failure_line(codes: Mapping[int | str, int], stopped_by: str) -> str:
     killed = [(rank, sig) for rank, code in codes.items() if (sig := death_signal(code))]
     if killed:
         rank, sig = killed[0]
-        return (f"unifit: rank {rank} died (killed by {sig.name}); the other ranks were stopped by {stopped_by} "
-                f"({listed}); the ranks' own errors are above")
+        return (
+            f"unifit: rank {rank} died (killed by {sig.name}); the other ranks were stopped by {stopped_by} "
+            f"({listed}); the ranks' own errors are above"
+        )
     return f"unifit: launch failed ({listed}, the others stopped by {stopped_by}); the ranks' own errors are above"
 
 
@@ -121,8 +123,8 @@ def fit_command(spec: LaunchSpec) -> list[str]:
 # hand its ranks pipes instead of the terminal (horovodrun prefixes every line, `[0]<stderr>:`,
 # and starts them in a new session, without a controlling terminal), so rank 0 could not see
 # that a progress bar is wanted, nor draw one that is not mangled on the way.
-TTY_ENV = "UNIFIT_TTY"                # the device the launcher's stderr is on (/dev/pts/3); or 1 / 0 set by the user
-TTY_HOST_ENV = "UNIFIT_TTY_HOST"      # the host that device is on (a rank elsewhere draws no bar)
+TTY_ENV = "UNIFIT_TTY"  # the device the launcher's stderr is on (/dev/pts/3); or 1 / 0 set by the user
+TTY_HOST_ENV = "UNIFIT_TTY_HOST"  # the host that device is on (a rank elsewhere draws no bar)
 TTY_STDOUT_ENV = "UNIFIT_TTY_STDOUT"  # "1": the launcher's stdout is that terminal too
 TTY_KEYS = (TTY_ENV, TTY_HOST_ENV, TTY_STDOUT_ENV)
 
@@ -145,8 +147,9 @@ def threads_per_rank(ranks_per_node: int) -> int:
     return max(1, cpus // max(1, ranks_per_node))
 
 
-def rank_environment(base: Mapping[str, str] | None = None, ranks_per_node: int = 1,
-                     extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def rank_environment(
+    base: Mapping[str, str] | None = None, ranks_per_node: int = 1, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """`base` (os.environ) for the ranks: OMP_NUM_THREADS (unless the user set it) sharing this node's
     CPUs out between its `ranks_per_node` ranks, so they do not oversubscribe them (torchrun would set 1
     and print a warning banner), and the UNIFIT_TTY variables: set when this process's stderr is a

@@ -13,18 +13,22 @@ import re
 import sys
 
 from unifit.errors import ConfigError
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, terminal_announced
+from unifit.strategies.launchers.base import Launcher, LaunchSpec, failure_line, fit_command, terminal_announced
 
 
 class HorovodrunLauncher(Launcher):
     def horovodrun_args(self, spec: LaunchSpec) -> list[str]:
         hosts = spec.hosts or ["localhost"]
         if spec.nnodes != len(hosts):
-            raise ConfigError(f"--nnodes {spec.nnodes}: horovodrun needs every host's name; give --hosts h1,h2,... "
-                              "(it starts all hosts' processes from the first one)")
+            raise ConfigError(
+                f"--nnodes {spec.nnodes}: horovodrun needs every host's name; give --hosts h1,h2,... "
+                "(it starts all hosts' processes from the first one)"
+            )
         if spec.node_rank != 0:
-            raise ConfigError(f"--node-rank {spec.node_rank}: horovodrun starts the processes of every host from the "
-                              f"first one ({hosts[0]}, over ssh); run 'unifit launch' there only")
+            raise ConfigError(
+                f"--node-rank {spec.node_rank}: horovodrun starts the processes of every host from the "
+                f"first one ({hosts[0]}, over ssh); run 'unifit launch' there only"
+            )
         n = spec.nproc_per_node
         slots = ",".join(f"{host}:{n}" for host in hosts)
         return ["-np", str(n * len(hosts)), "-H", slots, "--gloo", sys.executable, *fit_command(spec)]

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, rank_environment
+from unifit.strategies.launchers.base import Launcher, LaunchSpec, failure_line, fit_command, rank_environment
 
 
 def _free_ports(count: int) -> list[int]:

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Iterator
 
-from unifit.strategies.launchers.base import LaunchSpec, Launcher, failure_line, fit_command, terminal_announced
+from unifit.strategies.launchers.base import Launcher, LaunchSpec, failure_line, fit_command, terminal_announced
 
 RDZV_READ_TIMEOUT_S = 15
 
@@ -137,16 +137,23 @@ class _StuckAgentWatch:
                     code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
                     if code != 0:
                         failed.setdefault(pid, (code, time.monotonic()))
-            stale = [(pid, code) for pid, (code, since) in failed.items()
-                     if time.monotonic() - since > self.grace_s and _is_child(pid)]
+            stale = [
+                (pid, code)
+                for pid, (code, since) in failed.items()
+                if time.monotonic() - since > self.grace_s and _is_child(pid)
+            ]
             if stale and not self._stop.is_set():
                 self._give_up(stale)
 
     def _give_up(self, stale: list[tuple[int, int]]) -> None:
         listed = ", ".join(f"rank {self.ranks.get(pid, '?')} exit {code}" for pid, code in stale)
-        print(f"unifit: launch failed ({listed}) and torchrun's agent did not stop within {self.grace_s:.0f} s: the "
-              f"rendezvous at {self.where} does not answer (did this node lose its network?); stopping this "
-              "node's ranks; the ranks' own errors are above", file=sys.stderr, flush=True)
+        print(
+            f"unifit: launch failed ({listed}) and torchrun's agent did not stop within {self.grace_s:.0f} s: the "
+            f"rendezvous at {self.where} does not answer (did this node lose its network?); stopping this "
+            "node's ranks; the ranks' own errors are above",
+            file=sys.stderr,
+            flush=True,
+        )
         alive = _children()
         for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
             for pid in alive:
