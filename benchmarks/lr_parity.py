@@ -18,7 +18,7 @@ variants: `linear+warmup` (lr x N, ramped up from the base lr over --warmup-epoc
 How runs are started (--launch):
   grouped (default): one torchrun launch per world size (what `unifit launch` hands ddp to), whose
       processes run every run of that world size one after the other, each through unifit's own
-      `unifit fit` entry point (unifit.trainer.cli.main) in a process group the worker opened
+      `unifit fit` entry point (unifit.cli.main.main) in a process group the worker opened
       (unifit then leaves the group alone, as documented for a user's group). This saves starting
       about 500 torch processes (78 launches), which on this 2-core machine would cost more than the training itself.
   per-run: every run is its own `python -m unifit launch --nproc-per-node N -c ... ` (slow).
@@ -244,7 +244,7 @@ def worker(plan_path: str) -> None:
     """Inside one torchrun rank: open the gloo group once, then `unifit fit` every planned run."""
     import torch.distributed as dist
 
-    from unifit.trainer import cli
+    from unifit.cli import main as cli
 
     plan = json.loads(Path(plan_path).read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))

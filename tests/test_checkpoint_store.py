@@ -14,8 +14,8 @@ import torch
 
 import unifit
 from tests.probe.probe import ProbeModule
+from unifit.checkpoint.store import MARKER, CheckpointStore, checkpoint_name
 from unifit.errors import CheckpointNotFoundError
-from unifit.trainer.checkpoint_store import MARKER, CheckpointStore, checkpoint_name
 
 
 def _writer(text: str):
@@ -81,7 +81,7 @@ def test_missing_pointer_is_a_clear_error(tmp_path):
 def test_process_killed_mid_save_leaves_no_committed_partial_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import time
-        from unifit.trainer.checkpoint_store import CheckpointStore
+        from unifit.checkpoint.store import CheckpointStore
         store = CheckpointStore({str(tmp_path)!r})
         store.save("epoch=0001-step=0000010", lambda fs, d: fs.pipe_file(d + "/state.pt", b"good"), {{}})
         def slow(fs, d):

@@ -13,9 +13,9 @@ from torch.utils.data import TensorDataset
 
 import unifit
 from tests.helpers import assert_ok, run_unifit
+from unifit.config import init_args
+from unifit.config.loading import check_classes, parse_yaml, validate_experiment
 from unifit.errors import ConfigError
-from unifit.trainer import init_args
-from unifit.trainer.loading import check_classes, parse_yaml, validate_experiment
 
 HERE = __name__  # the subprocesses import the classes below from this file
 LINEAR = {"class_path": "torch.nn.Linear", "init_args": {"in_features": 4, "out_features": 2}}

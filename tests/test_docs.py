@@ -54,13 +54,13 @@ def test_site_builds_strict_with_every_page(tmp_path):
             f"benchmarks/results/{result_md.name} not rendered"
         )
     api = {
-        "trainer": ["trainer.trainer.Trainer", "trainer.trainer.Trainer.fit", "trainer.config.TrainerConfig"],
+        "trainer": ["trainer.trainer.Trainer", "trainer.trainer.Trainer.fit", "config.schema.TrainerConfig"],
         "modules": [
             "frameworks.torch.module.TrainModule",
             "frameworks.keras.module.KerasModule",
             "frameworks.module.ModuleBase.log",
         ],
-        "callbacks": ["callbacks.base.Callback", "callbacks.base.Callback.on_epoch_end"],
+        "callbacks": ["loop.callback.Callback", "loop.callback.Callback.on_epoch_end"],
         "strategies": [
             "strategies.base.Strategy",
             "strategies.base.Strategy.barrier",

@@ -8,8 +8,8 @@ import torch
 import unifit
 from tests.helpers import PROBE_YAML, run_unifit
 from tests.probe.probe import ProbeModule
+from unifit.config.loading import apply_overrides, load_yaml
 from unifit.errors import ConfigError
-from unifit.trainer.loading import apply_overrides, load_yaml
 
 
 def _trainer(tmp_path, **kw):
@@ -270,8 +270,8 @@ def test_nan_guard_flags_a_non_finite_loss_before_the_first_optimizer_step():
     import numpy as np
 
     from unifit.callbacks.nan_guard import NanGuard
+    from unifit.config.schema import NanGuardConfig
     from unifit.errors import NonFiniteLossError
-    from unifit.trainer.config import NanGuardConfig
 
     ctx = SimpleNamespace(
         rank=0,

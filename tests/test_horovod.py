@@ -125,7 +125,7 @@ def test_missing_horovod_or_its_framework_part_says_what_to_install(tmp_path, hi
     script = textwrap.dedent(f"""
         import sys
         sys.modules[{hidden!r}] = None  # what Python does for a package (or extension) that is not there
-        from unifit.trainer.cli import main
+        from unifit.cli.main import main
         sys.exit(main(["fit", "-c", {str(PROBE_YAML)!r}, "--trainer.strategy", "horovod",
                        "--trainer.root_dir", {str(tmp_path)!r}]))
     """)

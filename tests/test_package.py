@@ -13,10 +13,10 @@ from tests.helpers import REPO
 
 
 def test_config_reference_matches_the_schema():
-    from unifit.trainer.config_docs import render
+    from unifit.cli.config_docs import render
 
     assert (REPO / "docs" / "config.md").read_text() == render(), (
-        "docs/config.md is out of date: run python -m unifit.trainer.config_docs > docs/config.md"
+        "docs/config.md is out of date: run python -m unifit.cli.config_docs > docs/config.md"
     )
 
 

@@ -14,8 +14,8 @@ from PIL import Image
 
 import unifit
 from tests.probe.probe import ProbeModule
+from unifit.cli.main import main
 from unifit.plot import panels, read_run
-from unifit.trainer.cli import main
 
 RUN_COLOURS = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0x2C, 0xA0, 0x2C)]  # tab10: runs 1, 2, 3
 

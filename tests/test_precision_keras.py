@@ -135,7 +135,7 @@ def run_fits(root: str) -> None:
     after each go to results.json."""
     import keras
 
-    from unifit.trainer.cli import main
+    from unifit.cli.main import main
 
     results = {}
     for name, args in _fits(Path(root)):

@@ -211,7 +211,7 @@ def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoi
     url = f"s3://{bucket}/killed"
     script = textwrap.dedent(f"""
         import time
-        from unifit.trainer.checkpoint_store import CheckpointStore
+        from unifit.checkpoint.store import CheckpointStore
         store = CheckpointStore({url!r})
         store.save("epoch=0001-step=0000010", lambda fs, d: fs.pipe_file(d + "/state.pt", b"good"), {{}})
         def slow(fs, d):
@@ -232,7 +232,7 @@ def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoi
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
-    from unifit.trainer.checkpoint_store import CheckpointStore
+    from unifit.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(url)
     assert store.fs.exists(f"{bucket}/killed/epoch=0002-step=0000020/state.pt")  # the payload got there ...

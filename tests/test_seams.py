@@ -98,7 +98,7 @@ def test_progress_moves_with_the_loop_and_is_saved(tmp_path):
 
 
 def test_state_from_a_checkpoint_written_before_progress():
-    from unifit.trainer.state import TrainState
+    from unifit.loop.state import TrainState
 
     old = {
         "epoch": 2,

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import PROBE_YAML, REPO
-from unifit.callbacks.base import Callback
+from unifit.loop.callback import Callback
 
 WIDTH, HEIGHT = 200, 50
 EPOCHS = 2

@@ -9,7 +9,7 @@ import torch
 
 import unifit
 from tests.probe.probe import ProbeModule
-from unifit.trainer.events import Event
+from unifit.loop.events import Event
 
 
 class RecordingSGD(torch.optim.SGD):

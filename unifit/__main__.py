@@ -1,3 +1,3 @@
-from unifit.trainer.cli import main
+from unifit.cli.main import main
 
 raise SystemExit(main())

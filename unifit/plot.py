@@ -137,7 +137,7 @@ def _event_dirs(fs: Any, root: str) -> list[str]:
     absolute path or URL elsewhere (a relative one was relative to the training's working directory)."""
     dirs = [root]
     try:
-        from unifit.trainer.loading import parse_yaml
+        from unifit.config.loading import parse_yaml
 
         board = parse_yaml(fs.cat_file(f"{root}/config.yaml").decode())["trainer"]["tensorboard"]
         named = board.get("sync_to") or board.get("log_dir")
@@ -340,8 +340,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     import yaml
 
+    from unifit.config.loading import parse_yaml
     from unifit.storage import filesystem
-    from unifit.trainer.loading import parse_yaml
 
     try:
         options = parse_yaml(args.storage_options) or {}

@@ -116,7 +116,7 @@ def under_launcher(env: Mapping[str, str] | None = None) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The SageMaker entry point: fit directly under a launcher, else launch one per host."""
-    from unifit.trainer import cli
+    from unifit.cli import main as cli
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cli._log_to_stderr()
@@ -130,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     import argparse
 
+    from unifit.cli import main as cli
+    from unifit.config.loading import apply_overrides, load_yaml
     from unifit.strategies import registry
     from unifit.strategies.launchers.base import LaunchSpec
-    from unifit.trainer import cli
-    from unifit.trainer.loading import apply_overrides, load_yaml
 
     parser = argparse.ArgumentParser(prog="unifit-sagemaker")
     parser.add_argument("--config", "-c", required=True)

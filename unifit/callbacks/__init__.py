@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from unifit.callbacks.base import Callback
 from unifit.callbacks.checkpoint import IntervalCheckpoint, ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
 from unifit.callbacks.nan_guard import NanGuard
@@ -10,7 +9,8 @@ from unifit.callbacks.preemption import Preemption
 from unifit.callbacks.progress import EpochSummary, ProgressBar
 from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.tensorboard import TensorBoardLogger
-from unifit.trainer.config import TrainerConfig
+from unifit.config.schema import TrainerConfig
+from unifit.loop.callback import Callback
 
 __all__ = [
     "Callback",

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from unifit.callbacks.base import Callback
+from unifit.config.schema import CheckpointConfig
 from unifit.errors import ConfigError
-from unifit.trainer.config import CheckpointConfig
+from unifit.loop.callback import Callback
 
 
 class ModelCheckpoint(Callback):

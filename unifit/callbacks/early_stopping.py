@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from unifit.callbacks.base import Callback
+from unifit.config.schema import EarlyStoppingConfig
 from unifit.errors import ConfigError
-from unifit.trainer.config import EarlyStoppingConfig
+from unifit.loop.callback import Callback
 
 
 class EarlyStopping(Callback):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from unifit.callbacks.base import Callback
 from unifit.errors import ConfigError
+from unifit.loop.callback import Callback
 
 
 class LightningHooks(Callback):

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from unifit.callbacks.base import Callback
+from unifit.config.schema import NanGuardConfig
 from unifit.errors import NonFiniteLossError
-from unifit.trainer.config import NanGuardConfig
+from unifit.loop.callback import Callback
 
 
 class NanGuard(Callback):

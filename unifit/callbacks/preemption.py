@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from unifit.callbacks.base import Callback
+from unifit.config.schema import PreemptionConfig
 from unifit.errors import Preempted
-from unifit.trainer.config import PreemptionConfig
+from unifit.loop.callback import Callback
 
 log = logging.getLogger("unifit")
 
@@ -89,7 +89,7 @@ class Preemption(Callback):
 
 def _saved_now(ctx: Any) -> bool:
     """Whether the newest checkpoint already holds this exact point of training."""
-    from unifit.trainer.checkpoint_store import checkpoint_name
+    from unifit.checkpoint.store import checkpoint_name
 
     last = (ctx.last_checkpoint or "").rstrip("/").rsplit("/", 1)[-1]
     return last == checkpoint_name(ctx.progress.epoch, ctx.progress.optimizer_step)

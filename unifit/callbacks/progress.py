@@ -17,7 +17,7 @@ import socket
 import sys
 from typing import IO, Any
 
-from unifit.callbacks.base import Callback
+from unifit.loop.callback import Callback
 from unifit.strategies.launchers.base import TTY_ENV, TTY_HOST_ENV, TTY_STDOUT_ENV
 
 _devices: dict[str, IO[str] | None] = {}  # terminal devices opened by this process (once each)

@@ -11,7 +11,7 @@ import json
 import time
 from typing import Any
 
-from unifit.callbacks.base import Callback
+from unifit.loop.callback import Callback
 from unifit.storage import filesystem
 
 

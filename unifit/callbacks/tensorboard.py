@@ -15,8 +15,8 @@ import types
 from typing import Any
 
 from unifit._imports import require
-from unifit.callbacks.base import Callback
 from unifit.callbacks.directory_sync import DirectorySync
+from unifit.loop.callback import Callback
 
 _RECORD_FRAMING = 16  # bytes around each event record (length, crcs)
 

@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
 from unifit.frameworks.metrics import MetricCollector
 from unifit.strategies.base import Strategy
-from unifit.trainer.config import TrainerConfig
 
 
 class Engine(ABC):

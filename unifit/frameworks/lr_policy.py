@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from unifit.trainer.config import TrainerConfig
+from unifit.config.schema import TrainerConfig
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from unifit.config.loading import explain
 from unifit.errors import ConfigError, DistributedError, UnifitError, first_line
 from unifit.strategies.environment import ClusterEnvironment
 
@@ -54,8 +55,6 @@ class Strategy(ABC):
         try:
             self.options = self.Options.model_validate(options or {})
         except ValidationError as exc:
-            from unifit.trainer.loading import explain
-
             raise ConfigError(explain(exc, self.Options, options, prefix="trainer.strategy_options.")) from None
 
     # ---- rank facts -------------------------------------------------------------------

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from unifit.callbacks.base import Callback
 from unifit.callbacks.lightning_hooks import LightningHooks
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
+from unifit.loop.callback import Callback
 
 _ACCEPTED = (
     "a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass, a lightning "

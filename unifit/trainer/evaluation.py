@@ -15,11 +15,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from unifit.checkpoint.reading import read_committed
+from unifit.checkpoint.store import CheckpointStore
+from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
 from unifit.trainer.adapt import set_up
-from unifit.trainer.checkpoint_reading import read_committed
-from unifit.trainer.checkpoint_store import CheckpointStore
-from unifit.trainer.config import TrainerConfig
 
 log = logging.getLogger("unifit")
 

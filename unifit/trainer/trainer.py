@@ -15,23 +15,24 @@ from typing import Any, Callable
 
 import numpy as np
 
-from unifit.callbacks.base import Callback
+from unifit.callbacks import default_callbacks
+from unifit.checkpoint.committer import Committer
+from unifit.checkpoint.reading import read_committed
+from unifit.checkpoint.store import CheckpointStore, checkpoint_name
+from unifit.config.init_args import build
+from unifit.config.loading import resolved_yaml, validate_trainer
+from unifit.config.schema import ExperimentConfig, TrainerConfig
 from unifit.errors import ConfigError, UnifitError
+from unifit.loop.callback import Callback
+from unifit.loop.context import FitContext
+from unifit.loop.dispatcher import Dispatcher
+from unifit.loop.events import Event
+from unifit.loop.state import Progress, TrainState
 from unifit.storage import check_writable
 from unifit.strategies import environment, registry
 from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
 from unifit.trainer.adapt import set_up
-from unifit.trainer.checkpoint_reading import read_committed
-from unifit.trainer.checkpoint_store import CheckpointStore, checkpoint_name
-from unifit.trainer.committer import Committer
-from unifit.trainer.config import ExperimentConfig, TrainerConfig
-from unifit.trainer.context import FitContext
-from unifit.trainer.dispatcher import Dispatcher
 from unifit.trainer.evaluation import evaluate
-from unifit.trainer.events import Event
-from unifit.trainer.init_args import build
-from unifit.trainer.loading import resolved_yaml, validate_trainer
-from unifit.trainer.state import Progress, TrainState
 
 log = logging.getLogger("unifit")
 
@@ -107,7 +108,6 @@ class Trainer:
                 save_checkpoint=self.save_checkpoint,
                 model_files=engine.model_files,
                 resolved_config=self._resolved_config(given, cfg),
-                store=store,
                 threads=engine.threads,
             )
             resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
@@ -258,8 +258,6 @@ class Trainer:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _callbacks(self, module: Any) -> list[Callback]:
-        from unifit.callbacks import default_callbacks
-
         user = [build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(self.config.callbacks)]
         for cb in user:
             if not isinstance(cb, Callback):

@@ -1,6 +1,6 @@
 """Generate docs/config.md from the schema, so the reference cannot drift from the code.
 
-python -m unifit.trainer.config_docs > docs/config.md
+python -m unifit.cli.config_docs > docs/config.md
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from unifit.trainer.config import (
+from unifit.config.schema import (
     CheckpointConfig,
     EarlyStoppingConfig,
     ExperimentConfig,
@@ -68,7 +68,7 @@ def render() -> str:
     lines = [
         "# Config reference",
         "",
-        "Generated from `unifit/trainer/config.py` by `python -m unifit.trainer.config_docs`;",
+        "Generated from `unifit/config/schema.py` by `python -m unifit.cli.config_docs`;",
         "a test fails when this page and the schema differ. Every key can be set in the YAML file,",
         "overridden on the command line (`--trainer.max_epochs 3`), or passed to `Trainer(...)`.",
         "Unknown keys are errors.",

@@ -134,8 +134,8 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
 def load_experiment(path: str, overrides: dict[str, str]) -> Any:
     """The validated experiment; its strategy and the init_args of its classes are checked after the
     schema, once user code is importable (a strategy may be the class path of the user's own Strategy)."""
+    from unifit.config.loading import apply_overrides, check_classes, load_yaml, validate_experiment
     from unifit.strategies import registry
-    from unifit.trainer.loading import apply_overrides, check_classes, load_yaml, validate_experiment
 
     experiment = validate_experiment(apply_overrides(load_yaml(path), overrides), source=path)
     if os.getcwd() not in sys.path:
@@ -181,7 +181,7 @@ def _count(predictions: Any) -> int:
 
 def _experiment_objects(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[Any, Any, Any]:
     """(Trainer, module, data) of the experiment file, built in this process."""
-    from unifit.trainer.init_args import build
+    from unifit.config.init_args import build
     from unifit.trainer.trainer import Trainer
 
     experiment = load_experiment(args.config, overrides)  # imports the module's class (and torch with it)
@@ -297,13 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_command(args, extra)
         if args.command == "print-config":
-            from unifit.trainer.loading import resolved_yaml
+            from unifit.config.loading import resolved_yaml
 
             print(resolved_yaml(load_experiment(args.config, overrides)), end="")
             return 0
         if args.command == "tensorboard":
+            from unifit.config.loading import parse_yaml
             from unifit.tensorboard_view import serve
-            from unifit.trainer.loading import parse_yaml
 
             options = parse_yaml(args.storage_options) or {}
             if extra or not isinstance(options, dict):

@@ -1,7 +1,7 @@
 """The experiment schema: typed, validated by pydantic, the single source of the config reference.
 
 Every option lives in a small model here; `docs/config.md` is generated from these models
-(`python -m unifit.trainer.config_docs`) and a test fails when the two drift apart.
+(`python -m unifit.cli.config_docs`) and a test fails when the two drift apart.
 """
 
 from __future__ import annotations

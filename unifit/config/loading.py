@@ -10,9 +10,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from unifit.config.init_args import check
+from unifit.config.schema import ExperimentConfig, TrainerConfig
 from unifit.errors import ConfigError
-from unifit.trainer.config import ExperimentConfig, TrainerConfig
-from unifit.trainer.init_args import check
 
 
 class _Yaml12Loader(yaml.SafeLoader):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from unifit.checkpoint.store import CheckpointStore
 from unifit.errors import first_line
 from unifit.storage import filesystem
-from unifit.trainer.checkpoint_store import CheckpointStore
 
 log = logging.getLogger("unifit")
 

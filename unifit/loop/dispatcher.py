@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from unifit.callbacks.base import Callback
-from unifit.trainer.events import Event
+from unifit.loop.callback import Callback
+from unifit.loop.events import Event
 
 
 class Dispatcher:

@@ -21,8 +21,8 @@ from pydantic import ConfigDict, PydanticSchemaGenerationError, PydanticUserErro
 from typing_extensions import NotRequired, Required, TypedDict
 
 from unifit._imports import load_object
+from unifit.config.schema import ClassPath
 from unifit.errors import ConfigError
-from unifit.trainer.config import ClassPath
 
 
 def check(class_path: str, init_args: dict[str, Any], field: str) -> None:

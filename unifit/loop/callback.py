@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from unifit.trainer.context import FitContext
+    from unifit.loop.context import FitContext
 
 
 class Callback:

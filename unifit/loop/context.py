@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from unifit.trainer.checkpoint_store import CheckpointStore
-from unifit.trainer.config import TrainerConfig
-from unifit.trainer.state import Progress, TrainState
+from unifit.config.schema import TrainerConfig
+from unifit.loop.state import Progress, TrainState
 
 
 @dataclass
@@ -25,7 +24,6 @@ class FitContext:
     model_files: Callable[[], dict[str, bytes]]
     # the run
     resolved_config: str  # the experiment as YAML, saved with the run
-    store: CheckpointStore
     last_checkpoint: str | None = None  # the newest checkpoint saved or resumed from (same on every rank)
     resumed_from: str | None = None  # the name of the checkpoint this fit resumed from
     threads: int = 1  # CPU threads each rank computes with

@@ -1,0 +1,1 @@
+"""The `unifit` command line (fit, validate, test, predict, launch, plot, view, config docs)."""
