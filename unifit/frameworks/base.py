@@ -133,10 +133,11 @@ class Engine(ABC):
     @abstractmethod
     def seed(self, seed: int) -> None: ...
 
-    def start_sharded_write(self, payload: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
-        """Under a sharded strategy every rank starts writing its shards of `payload` to `url` now (in
-        the background: the Future) and the rest is left for `checkpoint_files`; by default nothing is sharded."""
-        return payload, None
+    def start_sharded_write(self, state: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
+        """Under a sharded strategy every rank starts writing its shards of this engine's `state` to `url`
+        now (in the background: the Future) and the rest is left for `checkpoint_files`; by default
+        nothing is sharded."""
+        return state, None
 
     @abstractmethod
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:

@@ -255,7 +255,8 @@ class FSDPStrategy(DDPStrategy):
             return super().start_sharded_write(state, url, storage_options)
         shards = {key: state[key] for key in ("model", "optimizer")}
         rest = {key: value for key, value in state.items() if key not in shards}
-        rest[sharded_state.SHARDS] = sharded_state.SHARDS  # read_checkpoint makes it the shards' URL
+        rest[sharded_state.SHARDS] = sharded_state.SHARDS  # sharded_state.locate makes it the shards' URL
+        url = f"{url}/{sharded_state.SHARDS}"
         return rest, sharded_state.start_save(shards, url, storage_options, self._checkpoint_group)
 
     def load_training_state(

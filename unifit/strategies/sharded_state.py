@@ -17,6 +17,12 @@ from typing import Any
 SHARDS = "shards"  # the DCP directory inside a checkpoint directory; its key in the saved engine state
 
 
+def locate(state: dict[str, Any], directory: str) -> None:
+    """In a checkpoint read from `directory`: where its shards are (a URL every rank can use), if it has any."""
+    if SHARDS in state:
+        state[SHARDS] = f"{directory}/{SHARDS}"
+
+
 def state_module(module: Any) -> Any:
     """The module whose parameter names a checkpoint uses (TrainModule.state_module; a plain module itself)."""
     return getattr(module, "state_module", module)

@@ -81,7 +81,8 @@ class TorchTraining:
     def start_sharded_write(
         self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
     ) -> tuple[dict[str, Any], Future | None]:
-        """(what rank 0 writes in state.pt, this rank's write of its shards to `url`, already started).
+        """(what rank 0 writes in state.pt, this rank's write of its shards into the checkpoint directory
+        `url`, already started).
         Unsharded state is all rank 0's to write: nothing to start."""
         return state, None
 

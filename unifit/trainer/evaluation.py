@@ -15,8 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from unifit.checkpoint.reading import read_committed
-from unifit.checkpoint.store import CheckpointStore
+from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
 from unifit.trainer.adapt import set_up
@@ -48,14 +47,14 @@ def evaluate(
         engine.seed(config.seed)
         engine.setup_evaluation(stage)
         if ckpt_path:
-            store = CheckpointStore(config.checkpoint_dir, config.storage_options)
-            payload, result.checkpoint = read_committed(ckpt_path, engine, strategy, store, config.storage_options)
-            if payload is None:
+            checkpoints = Checkpointer(engine, strategy, config)
+            snapshot, result.checkpoint = checkpoints.read(ckpt_path)
+            if snapshot is None:
                 raise ConfigError(
-                    f"--ckpt-path {ckpt_path}: no committed checkpoint in {store.url} to {stage}; train "
+                    f"--ckpt-path {ckpt_path}: no committed checkpoint in {checkpoints.store.url} to {stage}; train "
                     "first, or name a checkpoint directory"
                 )
-            engine.load_weights(payload["engine"])
+            engine.load_weights(snapshot.engine)
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
         engine.collector.reset()

@@ -9,16 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from unifit.callbacks import default_callbacks
-from unifit.checkpoint.committer import Committer
-from unifit.checkpoint.reading import read_committed
-from unifit.checkpoint.store import CheckpointStore, checkpoint_name
+from unifit.checkpoint.checkpointer import Checkpointer
+from unifit.checkpoint.store import CheckpointStore
 from unifit.config.init_args import build
 from unifit.config.loading import resolved_yaml, validate_trainer
 from unifit.config.schema import ExperimentConfig, TrainerConfig
@@ -41,12 +39,8 @@ log = logging.getLogger("unifit")
 class _Run:
     """What one fit() holds while it runs (save_checkpoint and the error path need it)."""
 
-    engine: Any
-    strategy: Any
-    store: CheckpointStore
-    committer: Committer
-    callbacks: list[Callback] = field(default_factory=list)
-    ctx: FitContext | None = None
+    checkpoints: Checkpointer
+    ctx: FitContext
 
 
 class Trainer:
@@ -85,8 +79,7 @@ class Trainer:
         ('last', 'best', a checkpoint name or directory). Returns the final TrainState."""
         cfg = self.config
         given, (module, strategy, engine) = module, set_up(cfg, module, data)
-        store = CheckpointStore(cfg.checkpoint_dir, cfg.storage_options)
-        self.state = state = TrainState()
+        self.state = TrainState()
         dispatch: Dispatcher | None = None
         try:
             strategy.setup()
@@ -94,11 +87,11 @@ class Trainer:
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
-            state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
-            run = self._run = _Run(engine, strategy, store, Committer(), self._callbacks(module))
-            ctx = run.ctx = FitContext(
+            self.state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
+            callbacks = self._callbacks(module)
+            ctx = FitContext(
                 config=cfg,
-                state=state,
+                state=self.state,
                 module=module,
                 rank=strategy.rank,
                 world_size=strategy.world_size,
@@ -110,22 +103,20 @@ class Trainer:
                 resolved_config=self._resolved_config(given, cfg),
                 threads=engine.threads,
             )
-            resumed = self._resume(ckpt_path or cfg.resume) if (ckpt_path or cfg.resume) else None
-            if resumed:
-                ctx.last_checkpoint = resumed
-                ctx.resumed_from = resumed.rstrip("/").rsplit("/", 1)[-1]
-                state = ctx.state = self.state
-            else:
+            run = self._run = _Run(Checkpointer(engine, strategy, cfg, callbacks), ctx)
+            if ckpt_path or cfg.resume:
+                self._resume(run, ckpt_path or cfg.resume)
+            if ctx.resumed_from is None:
                 engine.seed(cfg.seed + strategy.rank)  # per-rank randomness (dropout, augmentation)
-            callbacks = run.callbacks
             dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
             dispatch(Event.SETUP)
             dispatch(Event.FIT_START)
             self._loop(engine, strategy, dispatch, ctx)
-            run.committer.wait()  # the last checkpoint is committed before fit ends
+            run.checkpoints.wait()  # the last checkpoint is committed before fit ends
             dispatch(Event.FIT_END)
         except BaseException as error:
-            self._finish_commits_after(error)
+            if self._run is not None:
+                self._run.checkpoints.finish_after(error)
             if dispatch is not None:
                 dispatch(Event.EXCEPTION, error)
             raise
@@ -137,7 +128,7 @@ class Trainer:
                 self._run = None
                 module._unifit_collector = None
                 strategy.teardown()
-        return state
+        return self.state
 
     def validate(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
         """One pass over the validation data on every rank (each a disjoint shard), with the weights of
@@ -161,50 +152,10 @@ class Trainer:
         at once; on a remote store it is committed in the background, then `after_commit(store,
         name)` runs (on rank 0). Returns the checkpoint's path on rank 0."""
         run = self._run
-        if run is None or run.ctx is None:
+        if run is None:
             raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
-        engine, strategy, store, state = run.engine, run.strategy, run.store, self.state
-        strategy.barrier("save_checkpoint")
-        run.committer.wait()  # the previous checkpoint is committed before this one may replace it
-        mid_epoch = state.progress.batch_in_epoch > 0
-        # per rank: the RNG state, and mid-epoch the epoch's metric sums so far (each rank has its own);
-        # rank 0's token names the directory every rank writes in
-        ranks = strategy.all_gather_object(
-            (engine.rng_state(), engine.collector.state_dict() if mid_epoch else {}, uuid.uuid4().hex[:8])
-        )
-        name = name or checkpoint_name(state.epoch, state.global_step)
-        path, directory = store.path(name), store.write_dir(name, ranks[0][2])
-        if strategy.is_global_zero:
-            store.clear(name)  # before any rank writes its shards there
-        run.ctx.last_checkpoint = path  # the same on every rank
-        payload = {
-            "format": "unifit/1",
-            "engine": engine.state_dict(),
-            "trainer": state.to_dict(),
-            "rng": [rng for rng, _, _ in ranks],
-            "collectors": [collector for _, collector, _ in ranks],
-            "world_size": strategy.world_size,
-            "callbacks": {key: cb.state_dict() for key, cb in _state_keys(run.callbacks)},
-        }
-        meta = {"epoch": state.epoch, "global_step": state.global_step, "world_size": strategy.world_size}
-        # a sharded strategy's ranks start writing their shards now (a snapshot, written in the background)
-        payload, shards = engine.start_sharded_write(payload, store.fs.unstrip_protocol(directory))
-
-        def commit(files: dict[str, bytes]) -> None:  # rank 0, on the committer's thread
-            def write() -> None:
-                if shards is not None:
-                    _wait_for_shards(shards, store, directory)  # every rank's, and their index
-                store.save(name, lambda fs, d: _write_files(fs, d, files), meta, directory)
-                if after_commit is not None:
-                    after_commit(store, name)
-
-            run.committer.submit(write)
-
-        strategy.save_checkpoint(lambda writer: engine.checkpoint_files(payload, writer=writer), commit)
-        if shards is not None and not strategy.is_global_zero:
-            run.committer.submit(shards.result)  # its failure is raised at this rank's next save or fit's end
-        strategy.barrier("checkpoint_saved")
-        return path if strategy.is_global_zero else None
+        path = run.ctx.last_checkpoint = run.checkpoints.save(self.state, name, after_commit)
+        return path if run.ctx.is_global_zero else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
@@ -265,58 +216,13 @@ class Trainer:
         every = [*default_callbacks(self.config), *user, *self.extra_callbacks, *module.configure_callbacks()]
         return [cb for cb in every if not cb.runs_last] + [cb for cb in every if cb.runs_last]
 
-    def _resume(self, spec: str) -> str | None:
-        """Rank 0 finds and reads the checkpoint, every rank receives the same state (broadcast).
-        'last' and 'auto' fall back to the previous committed checkpoint when the newest cannot be
-        read; 'auto' starts fresh when there is none. Returns the checkpoint's path, or None."""
-        run = self._run
-        engine, strategy = run.engine, run.strategy
-        payload, path = read_committed(spec, engine, strategy, run.store, self.config.storage_options)
-        if payload is None:
-            return None
-        engine.load_state_dict(payload["engine"])
-        saved_progress = TrainState.from_dict(payload["trainer"])
-        progress = run.ctx.state.progress  # this run's sizes; the position comes from the checkpoint
-        at = saved_progress.progress
-        progress.epoch, progress.optimizer_step, progress.samples_seen = at.epoch, at.optimizer_step, at.samples_seen
-        if at.batch_in_epoch:
-            if (at.batches_per_epoch, payload["world_size"]) != (progress.batches_per_epoch, strategy.world_size):
-                raise ConfigError(
-                    f"--ckpt-path: {path} was saved mid-epoch by {payload['world_size']} ranks with "
-                    f"{at.batches_per_epoch} batches per epoch each; this run has {strategy.world_size} ranks with "
-                    f"{progress.batches_per_epoch}; resume it with the same world size, batch size and data, or "
-                    "from a checkpoint taken at an epoch end"
-                )
-            progress.batch_in_epoch = at.batch_in_epoch
-            engine.collector.load_state_dict(
-                payload["collectors"][strategy.rank]
-            )  # the resumed epoch averages all its batches
-        self.state = TrainState(progress=progress, metrics=saved_progress.metrics)
-        saved = payload.get("callbacks", {})
-        for key, cb in _state_keys(run.callbacks):
-            cb.load_state_dict(saved.get(key, saved.get(type(cb).__name__, {})))  # older checkpoints: class name
-        if payload["world_size"] == strategy.world_size:
-            engine.set_rng_state(payload["rng"][strategy.rank])
-        else:
-            log.warning(
-                "resuming a %d-rank checkpoint on %d ranks: random state is re-seeded, data order is kept",
-                payload["world_size"],
-                strategy.world_size,
-            )
-            engine.seed(self.config.seed + strategy.rank + 1000 * self.state.epoch)
-        within = f", batch {progress.batch_in_epoch} of epoch {progress.epoch + 1}" if progress.batch_in_epoch else ""
-        log.info("resumed from %s (epoch %d, step %d%s)", path, self.state.epoch, self.state.global_step, within)
-        return path
-
-    def _finish_commits_after(self, error: BaseException) -> None:
-        """On failure, still finish a pending checkpoint commit (the last good state), reporting
-        its own error instead of hiding the one that stopped training."""
-        if self._run is None:
-            return
-        try:
-            self._run.committer.wait()
-        except Exception as exc:
-            log.warning("the last checkpoint could not be committed either: %s: %s", type(exc).__name__, exc)
+    def _resume(self, run: _Run, spec: str) -> None:
+        """Every rank continues from the checkpoint `spec` names (see Checkpointer.read for which)."""
+        resumed = run.checkpoints.resume(spec, run.ctx.state.progress)
+        if resumed is not None:
+            self.state = run.ctx.state = resumed.state
+            run.ctx.last_checkpoint = resumed.path
+            run.ctx.resumed_from = resumed.path.rstrip("/").rsplit("/", 1)[-1]
 
     def _check_storage(self) -> None:
         cfg = self.config
@@ -379,16 +285,6 @@ def _launched_strategy(config: TrainerConfig) -> TrainerConfig:
     return config.model_copy(update={"strategy": launched})
 
 
-def _state_keys(callbacks: list[Callback]) -> list[tuple[str, Callback]]:
-    """A stable key per callback: its state_key, numbered from the second instance on."""
-    seen: dict[str, int] = {}
-    keyed = []
-    for cb in callbacks:
-        n = seen[cb.state_key] = seen.get(cb.state_key, 0) + 1
-        keyed.append((cb.state_key if n == 1 else f"{cb.state_key}#{n}", cb))
-    return keyed
-
-
 def _progress_of(engine: Any, accumulate: int) -> Progress:
     """A fresh Progress with this run's sizes (the position starts at zero or comes from a checkpoint)."""
     return Progress(
@@ -401,18 +297,3 @@ def _progress_of(engine: Any, accumulate: int) -> Progress:
 def _lr_metrics(engine: Any) -> dict[str, float]:
     """The learning rates the next optimizer step uses, one per param group."""
     return {"lr" if i == 0 else f"lr/group{i}": lr for i, lr in enumerate(engine.current_lrs())}
-
-
-def _wait_for_shards(shards: Any, store: CheckpointStore, directory: str) -> None:
-    try:
-        shards.result()
-    except BaseException:
-        store.abandon(directory)
-        raise
-
-
-def _write_files(fs: Any, directory: str, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        if "/" in name:
-            fs.makedirs(f"{directory}/{name.rsplit('/', 1)[0]}", exist_ok=True)
-        fs.pipe_file(f"{directory}/{name}", data)

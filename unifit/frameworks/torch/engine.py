@@ -22,7 +22,7 @@ from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import Precision, make_precision
-from unifit.strategies.sharded_state import SHARDS
+from unifit.strategies import sharded_state
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
 
@@ -382,11 +382,8 @@ class TorchEngine(TorchEvaluation, Engine):
         seed_host(seed)
         torch.manual_seed(seed)
 
-    def start_sharded_write(self, payload: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
-        engine, shards = self.training.start_sharded_write(
-            payload["engine"], f"{url}/{SHARDS}", self.config.storage_options
-        )
-        return {**payload, "engine": engine}, shards
+    def start_sharded_write(self, state: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
+        return self.training.start_sharded_write(state, url, self.config.storage_options)
 
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
         if not writer:
@@ -407,8 +404,7 @@ class TorchEngine(TorchEvaluation, Engine):
     def read_checkpoint(self, fs: Any, directory: str) -> dict[str, Any]:
         data = fs.cat_file(f"{directory}/state.pt")
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        if SHARDS in payload["engine"]:  # model and optimizer are in the shards beside it: where, for every rank
-            payload["engine"][SHARDS] = fs.unstrip_protocol(f"{directory}/{SHARDS}")
+        sharded_state.locate(payload["engine"], fs.unstrip_protocol(directory))
         return payload
 
 
