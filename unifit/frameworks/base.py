@@ -18,16 +18,21 @@ from unifit.strategies.base import Strategy
 class Engine(ABC):
     """Runs one module's steps on this process's device, under a strategy."""
 
-    def __init__(self, module: Any, data: Any, strategy: Strategy, config: TrainerConfig) -> None:
+    def __init__(self, module: Any, data: Any, strategy: Strategy, training: Any, config: TrainerConfig) -> None:
         self.module = module
         self.data = data
-        self.strategy = strategy
+        self.strategy = strategy  # rank facts and collectives
+        self.training = training  # the strategy's part for this framework (engines type it: TorchTraining, ...)
         self.config = config
         self.collector = MetricCollector(self.to_numpy)
-        module._unifit_collector = self.collector
+        module.collect_into(self.collector)  # the module's self.log records here until close()
         self.replicas = (
             strategy.world_size
         )  # model replicas over all processes; engines with several per process set it
+
+    def close(self) -> None:
+        """Release what this engine attached to the module (its metric collector), at the end of a run."""
+        self.module.collect_into(None)
 
     @property
     def global_batch(self) -> int:

@@ -53,6 +53,10 @@ class ModuleBase:
     def hparams(self) -> HParams:
         return self.__dict__.setdefault("hparams", HParams())
 
+    def collect_into(self, collector: Any) -> None:
+        """Where `log` records from now on (the running engine's MetricCollector); None: nowhere."""
+        self._unifit_collector = collector
+
     def log(self, name: str, value: Any, *, batch_size: int | None = None) -> None:
         """Record a metric; it is averaged over the epoch and all ranks, weighted by samples.
 

@@ -2,8 +2,9 @@
 
 A strategy runs *inside* each process: it knows the rank facts, sets up and tears down
 communication, writes and reads checkpoints, and offers the few collectives the Trainer needs.
-What it does to train a module of one framework is a mixin beside this file (torch_training.py,
-keras_training.py), so this core names no framework. Collectives take and return NumPy arrays or picklable objects
+What it does to train a module of one framework is a training part beside this file (torch_training.py,
+keras_training.py), paired with it in the registry's (strategy, framework) table, so this core names no
+framework. Collectives take and return NumPy arrays or picklable objects
 so callbacks stay framework-neutral; at world size 1 they return their input (one code path).
 Starting the processes is a launcher's job (see `launchers/`), not the strategy's.
 """
@@ -36,8 +37,12 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = NoOptions
-    # how `unifit launch` starts its processes (registered strategies name theirs in the registry)
+    # For a strategy of your own named by class path (registered strategies have these in their registry
+    # row): how `unifit launch` starts its processes, and framework -> the class path of its training part
+    # (a class that is itself a TorchTraining/KerasTraining trains that framework; a subclass of a
+    # registered strategy inherits its row's).
     launcher: ClassVar[str] = "unifit.strategies.launchers.base:SingleProcessLauncher"
+    trainings: ClassVar[dict[str, str | None]] = {}
 
     def __init__(
         self,
@@ -49,7 +54,7 @@ class Strategy(ABC):
         options: dict[str, Any] | None = None,
     ) -> None:
         self.env = env
-        self.framework = framework  # of the module being trained; strategies spanning two pick an adapter by it
+        self.framework = framework  # of the module being trained (for messages; the table picks the training part)
         self.accelerator = accelerator
         self.collective_timeout_s = collective_timeout_s
         try:
@@ -75,6 +80,10 @@ class Strategy(ABC):
         return self.env.rank == 0
 
     # ---- life cycle --------------------------------------------------------------------
+    def attach(self, training: Any) -> None:
+        """The training part made for this strategy's framework (from the registry's table); a strategy
+        whose collectives go through that framework's library (Horovod) keeps it. Nothing by default."""
+
     def claim_process(self) -> None:
         """What the framework must be told before its first operation in this process (TensorFlow's
         logical devices and collectives), done when the Trainer is made: a script that makes its Trainer

@@ -8,7 +8,11 @@ from typing import Any
 
 
 class KerasTraining:
-    """Mixed into a Strategy that trains Keras modules."""
+    """How a strategy trains Keras modules: made for a strategy from the registry's table (the plain
+    one for single), or the strategy itself where it is built on tf.distribute (mirrored, mwms)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
 
     tf_strategy: Any = None  # a tf.distribute.Strategy; None: TensorFlow's default (one device)
 

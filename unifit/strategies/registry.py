@@ -1,14 +1,19 @@
 """Strategy names -> where they live, which frameworks they run, and how they are launched.
 
-Entries are dotted paths so torch, TensorFlow and Horovod are imported only when the strategy
-is used. Adding a strategy means adding one line here and one file beside this one; a strategy of your own
-needs neither: name its class path (`trainer.strategy: pkg.module:MyStrategy`).
+One table keyed by (strategy, framework): each row names the framework-neutral Strategy class, its
+launcher, and per framework the training part that does what differs (wrapping the model, reducing
+gradients), or ITSELF where the strategy is built on that one framework's own library (ddp, fsdp on
+torch.distributed; mirrored, mwms on tf.distribute). Entries are dotted paths so torch, TensorFlow and
+Horovod are imported only when the strategy is used. Adding a strategy means one file beside this one
+and its row here; a strategy of your own needs neither: name its class path
+(`trainer.strategy: pkg.module:MyStrategy`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unifit._imports import load_object
 from unifit.errors import ConfigError
@@ -19,13 +24,25 @@ if TYPE_CHECKING:
     from unifit.strategies.launchers.base import Launcher
 
 
+TORCH, TENSORFLOW = "torch", "tensorflow"
+ITSELF = None  # the strategy class is itself that framework's training part (one framework, its own library)
+
+
 @dataclass(frozen=True)
 class StrategyEntry:
+    """One row of the (strategy, framework) table: where the strategy lives, how its processes start,
+    and for each framework it trains, its training part."""
+
     name: str
-    strategy: str  # dotted path of the Strategy class
+    strategy: str  # dotted path of the Strategy class (framework-neutral: rank facts, collectives, IO)
     launcher: str  # dotted path of the Launcher class that starts its processes
-    frameworks: frozenset[str]  # module frameworks it can train
+    trainings: Mapping[str, str | None]  # framework -> dotted path of its training part, or ITSELF
     summary: str
+
+    @property
+    def frameworks(self) -> frozenset[str]:
+        """The module frameworks it can train."""
+        return frozenset(self.trainings)
 
 
 _REGISTRY: dict[str, StrategyEntry] = {}
@@ -35,21 +52,22 @@ def register(entry: StrategyEntry) -> None:
     _REGISTRY[entry.name] = entry
 
 
+_TORCHRUN = "unifit.strategies.launchers.torchrun:TorchrunLauncher"
+_ONE_PROCESS = "unifit.strategies.launchers.base:SingleProcessLauncher"
+_PLAIN = {
+    TORCH: "unifit.strategies.torch_training:TorchTraining",
+    TENSORFLOW: "unifit.strategies.keras_training:KerasTraining",
+}
+
 register(
-    StrategyEntry(
-        "single",
-        "unifit.strategies.single:SingleStrategy",
-        "unifit.strategies.launchers.base:SingleProcessLauncher",
-        frozenset({"torch", "tensorflow"}),
-        "one process, one device",
-    )
+    StrategyEntry("single", "unifit.strategies.single:SingleStrategy", _ONE_PROCESS, _PLAIN, "one process, one device")
 )
 register(
     StrategyEntry(
         "ddp",
         "unifit.strategies.ddp:DDPStrategy",
-        "unifit.strategies.launchers.torchrun:TorchrunLauncher",
-        frozenset({"torch"}),
+        _TORCHRUN,
+        {TORCH: ITSELF},
         "PyTorch DistributedDataParallel, launched by torchrun",
     )
 )
@@ -57,18 +75,17 @@ register(
     StrategyEntry(
         "smddp-like",
         "unifit.strategies.smddp:SMDDPLikeStrategy",
-        "unifit.strategies.launchers.torchrun:TorchrunLauncher",
-        frozenset({"torch"}),
+        _TORCHRUN,
+        {TORCH: ITSELF},
         "DDP with SageMaker-style hierarchical allreduce (the real smddp where installed)",
     )
 )
-
 register(
     StrategyEntry(
         "fsdp",
         "unifit.strategies.fsdp:FSDPStrategy",
-        "unifit.strategies.launchers.torchrun:TorchrunLauncher",
-        frozenset({"torch"}),
+        _TORCHRUN,
+        {TORCH: ITSELF},
         "PyTorch FSDP2: parameters, gradients and optimizer state sharded over the ranks",
     )
 )
@@ -77,7 +94,10 @@ register(
         "horovod",
         "unifit.strategies.horovod.strategy:HorovodStrategy",
         "unifit.strategies.launchers.horovodrun:HorovodrunLauncher",
-        frozenset({"torch", "tensorflow"}),
+        {
+            TORCH: "unifit.strategies.horovod.torch_adapter:TorchHorovod",
+            TENSORFLOW: "unifit.strategies.horovod.tf_adapter:TFHorovod",
+        },
         "Horovod ring-allreduce, launched by horovodrun",
     )
 )
@@ -85,8 +105,8 @@ register(
     StrategyEntry(
         "mirrored",
         "unifit.strategies.tf_distribute:MirroredStrategy",
-        "unifit.strategies.launchers.base:SingleProcessLauncher",
-        frozenset({"tensorflow"}),
+        _ONE_PROCESS,
+        {TENSORFLOW: ITSELF},
         "TensorFlow MirroredStrategy: one process, all local devices",
     )
 )
@@ -95,7 +115,7 @@ register(
         "mwms",
         "unifit.strategies.tf_distribute:MWMSStrategy",
         "unifit.strategies.launchers.tf_config:TFConfigLauncher",
-        frozenset({"tensorflow"}),
+        {TENSORFLOW: ITSELF},
         "TensorFlow MultiWorkerMirroredStrategy: one process per worker (TF_CONFIG)",
     )
 )
@@ -119,6 +139,8 @@ def entry(name: str) -> StrategyEntry:
 
 
 def _entry_of_class(path: str) -> StrategyEntry:
+    """A user's Strategy subclass: its launcher and trainings from its class attributes, else from the
+    registered strategy it extends; a class that is itself a training part trains that framework."""
     from unifit.strategies.base import Strategy
     from unifit.strategies.keras_training import KerasTraining
     from unifit.strategies.torch_training import TorchTraining
@@ -129,21 +151,41 @@ def _entry_of_class(path: str) -> StrategyEntry:
             f"trainer.strategy: '{path}' is {cls!r}, not a subclass of unifit.strategies.Strategy; "
             "name a registered strategy or your Strategy subclass"
         )
-    frameworks = frozenset(
-        {fw for fw, mixin in (("torch", TorchTraining), ("tensorflow", KerasTraining)) if issubclass(cls, mixin)}
-    )
-    if not frameworks:
+    extends = next((e for e in _REGISTRY.values() for base in cls.__mro__ if e.strategy == _path_of(base)), None)
+    trainings: dict[str, str | None] = dict(extends.trainings) if extends else {}
+    trainings.update(cls.trainings)
+    for framework, part in ((TORCH, TorchTraining), (TENSORFLOW, KerasTraining)):
+        if issubclass(cls, part):
+            trainings[framework] = ITSELF
+    if not trainings:
         raise ConfigError(
-            f"trainer.strategy: {cls.__name__} trains no framework; mix in "
-            "unifit.strategies.torch_training.TorchTraining and/or keras_training.KerasTraining"
+            f"trainer.strategy: {cls.__name__} trains no framework; set its `trainings` (framework -> training part "
+            "class path, e.g. {'torch': 'unifit.strategies.torch_training:TorchTraining'}) or extend a registered "
+            "strategy (e.g. unifit.strategies.ddp:DDPStrategy)"
         )
-    return StrategyEntry(path, path, cls.launcher, frameworks, (cls.__doc__ or path).strip().splitlines()[0])
+    launcher = cls.__dict__.get("launcher") or (extends.launcher if extends else cls.launcher)
+    return StrategyEntry(path, path, launcher, trainings, (cls.__doc__ or path).strip().splitlines()[0])
 
 
-def create(name: str, env: ClusterEnvironment, **kwargs: object) -> Strategy:
+def _path_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def create(name: str, env: ClusterEnvironment, **kwargs: Any) -> Strategy:
     found = entry(name)
     cls = load_object(found.strategy, field="trainer.strategy")
     return cls(env, **kwargs)
+
+
+def training(name: str, framework: str, strategy: Strategy) -> Any:
+    """The part of strategy `name` that trains `framework`'s modules (a TorchTraining or KerasTraining),
+    bound to `strategy`: the strategy itself where it is one, else made from the table and attached."""
+    part = entry(name).trainings[framework]
+    if part is ITSELF:
+        return strategy
+    made = load_object(part, field="trainer.strategy")(strategy)
+    strategy.attach(made)
+    return made
 
 
 def claim_process(name: str, env: ClusterEnvironment, **kwargs: object) -> None:

@@ -1,11 +1,12 @@
-"""One process, one device: the default strategy, and what every collective reduces to."""
+"""One process, one device: the default strategy, and what every collective reduces to.
+
+Its training parts are the plain ones (registry row): TorchTraining and KerasTraining as they are.
+"""
 
 from __future__ import annotations
 
 from unifit.strategies.base import Strategy
-from unifit.strategies.keras_training import KerasTraining
-from unifit.strategies.torch_training import TorchTraining
 
 
-class SingleStrategy(Strategy, TorchTraining, KerasTraining):
+class SingleStrategy(Strategy):
     name = "single"

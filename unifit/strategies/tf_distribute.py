@@ -38,8 +38,11 @@ _TF_STARTED = (
 
 
 class TFDistributeStrategy(Strategy, KerasTraining):
+    """Built on tf.distribute, so it is itself its Keras training part (`tf_strategy` builds and runs the step)."""
+
     tf_strategy: Any = None
     watchdog: CollectiveWatchdog | None = None
+    _gather_fn: Any = None  # the compiled all-gather behind all_reduce_max, made at its first use
 
     def setup(self) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -81,15 +84,15 @@ class TFDistributeStrategy(Strategy, KerasTraining):
                         lambda ctx: tf.constant(x / local_replicas)
                     )
                     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy()
-                gather = self.__dict__.setdefault(
-                    "_gather_fn",
-                    tf.function(
+                if self._gather_fn is None:
+                    self._gather_fn = tf.function(
                         lambda v: strategy.run(
                             lambda y: tf.distribute.get_replica_context().all_gather(y[tf.newaxis], axis=0), args=(v,)
                         )
-                    ),
+                    )
+                result = self._gather_fn(
+                    strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(x))
                 )
-                result = gather(strategy.experimental_distribute_values_from_function(lambda ctx: tf.constant(x)))
                 return strategy.experimental_local_results(result)[0].numpy().max(axis=0)
         except tf.errors.OpError as exc:
             raise DistributedError(

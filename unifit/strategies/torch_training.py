@@ -21,7 +21,11 @@ _PLAIN = contextlib.nullcontext()
 
 
 class TorchTraining:
-    """Mixed into a Strategy that trains PyTorch modules."""
+    """How a strategy trains PyTorch modules: made for a strategy from the registry's table (the plain
+    one for single), or the strategy itself where it is built on torch.distributed (ddp, fsdp)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
 
     precision: Any = None  # unifit.frameworks.torch.precision.Precision, set by setup_module_and_optimizer
     # a sharded model gathers its parameters in its root wrapper's forward: every step (validation

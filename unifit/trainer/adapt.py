@@ -25,7 +25,8 @@ _ACCEPTED = (
 
 def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:
     """(module, strategy, engine) for what the user passed: the module made trainable, checked against
-    the strategy's frameworks, the strategy created (not yet set up) and the module's engine on it."""
+    the strategy's frameworks, the strategy created (not yet set up) with its training part for the
+    module's framework, and the module's engine on both."""
     from unifit._imports import load_object
     from unifit.strategies import environment, registry
 
@@ -39,7 +40,9 @@ def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any,
         collective_timeout_s=config.collective_timeout_s,
         options=config.strategy_options,
     )
-    engine = load_object(module.engine, field="module")(module, data if data is not None else module, strategy, config)
+    training = registry.training(config.strategy, module.framework, strategy)  # the (strategy, framework) table
+    data = data if data is not None else module
+    engine = load_object(module.engine, field="module")(module, data, strategy, training, config)
     return module, strategy, engine
 
 
@@ -52,14 +55,14 @@ def trainable(module: Any, data: Any = None) -> tuple[ModuleBase, Any]:
 
         provider = data is not None and callable(getattr(data, "train_dataset", None))
         adapter = CompiledModel(module, data=None if provider else data)
-        adapter.hooks = [KerasWeightsBack(adapter)]
+        adapter.attach_callbacks([KerasWeightsBack(adapter)])
         return adapter, (data if provider else None)
     from unifit.frameworks.torch import lightning  # only torch is needed to ask (names, not imports)
 
     if lightning.is_lightning_module(module):
         datamodule = data if data is not None and lightning.is_lightning_datamodule(data) else None
         adapter = lightning.LightningAdapter(module, datamodule=datamodule)
-        adapter.hooks = [LightningHooks(adapter)]
+        adapter.attach_callbacks([LightningHooks(adapter)])
         return adapter, (None if datamodule is not None else data)
     if isinstance(module, type):
         raise ConfigError(f"module: received the class {module.__name__}, not an instance; pass {module.__name__}(...)")

@@ -71,7 +71,7 @@ def evaluate(
         module.on_evaluation_end(stage)
         return result
     finally:
-        module._unifit_collector = None
+        engine.close()
         strategy.teardown()
 
 

@@ -126,7 +126,7 @@ class Trainer:
                     dispatch(Event.TEARDOWN)
             finally:
                 self._run = None
-                module._unifit_collector = None
+                engine.close()
                 strategy.teardown()
         return self.state
 

@@ -285,8 +285,12 @@ class CompiledModel(KerasModule):
             return data["train"], data.get("val")
         return data, None
 
+    def attach_callbacks(self, callbacks: list[Any]) -> None:
+        """The callbacks that serve this adapter (the copy-back; made by trainer/adapt.py, which may
+        import callbacks): they run as the module's own configure_callbacks()."""
+        self.hooks = list(callbacks)
+
     def configure_callbacks(self) -> list[Any]:
-        """The copy-back callback (set by trainer/adapt.py, which may import callbacks)."""
         return list(self.hooks)
 
     # ---- after fit ------------------------------------------------------------------------------

@@ -52,6 +52,37 @@ _TF_PREFIX = "tf/"
 
 
 class KerasEngine(KerasEvaluation, Engine):
+    # what setup() makes, in one place: the tf.distribute strategy and replica counts, the data and
+    # its per-epoch plan, the model's optimizer and lr policy, the compiled steps and the counters
+    dist: Any  # the tf.distribute.Strategy the step runs under
+    local_replicas: int
+    local_batch: int
+    per_worker: bool
+    precision: Any
+    train_arrays: Any
+    train_lazy: Any
+    train_presharded: bool
+    val_arrays: Any
+    val_lazy: Any
+    _val_indices: Any
+    _train_sizes: Any
+    _val_sizes: Any
+    _batches: int
+    optimizer: Any
+    schedule: Any
+    step_optimizer: Any  # the optimizer, or a LossScaleOptimizer around it (16-mixed)
+    policy: LRPolicy
+    _train_fn: Any
+    _val_fn: Any
+    _train_iter: Any
+    _train_next: Any
+    _untried: set[str]  # compiled steps not yet called (XLA compiles at the first call)
+    _steps: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stateful: dict[str, dict[str, KerasMetricValue]] = {}  # per phase (prefix), made at first use
+
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
         if cfg.accumulate_grad_batches != 1:
@@ -122,7 +153,7 @@ class KerasEngine(KerasEvaluation, Engine):
             if x_shape is not None:
                 model.build(tuple([None, *x_shape]))
             self.step_optimizer.build(model.trainable_variables)
-        strategy.broadcast_variables(model.variables + self.step_optimizer.variables)
+        self.training.broadcast_variables(model.variables + self.step_optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
         self._train_fn = tf.function(self._distributed_step(train=True))
         self._val_fn = tf.function(self._distributed_step(train=False))
@@ -143,7 +174,7 @@ class KerasEngine(KerasEvaluation, Engine):
         return cfg.adopting_batch_size(batched_by, "the tf.data pipeline's .batch()")
 
     def _set_up_replicas(self) -> None:
-        self.dist = getattr(self.strategy, "tf_strategy", None) or tf.distribute.get_strategy()
+        self.dist = self.training.tf_strategy or tf.distribute.get_strategy()
         self.local_replicas = _local_replicas(self.dist)
         # replicas over all processes: tf.distribute's own count for mirrored/mwms, one per process for horovod
         self.replicas = self.strategy.world_size * self.local_replicas
@@ -197,7 +228,7 @@ class KerasEngine(KerasEvaluation, Engine):
             grads, sums = forward(x, y, weights)
             if train:
                 variables = module.model.trainable_variables
-                grads = self.strategy.reduce_gradients(grads)  # scaled alike on every rank (one loss scale)
+                grads = self.training.reduce_gradients(grads)  # scaled alike on every rank (one loss scale)
                 if clip is not None:
                     grads, _ = tf.clip_by_global_norm(grads, precision.clip_norm(clip))
                 optimizer.apply_gradients(zip(grads, variables))  # float16: unscaled, skipped on inf/NaN
@@ -339,7 +370,7 @@ class KerasEngine(KerasEvaluation, Engine):
 
     def _stateful_metrics(self, prefix: str) -> dict[str, KerasMetricValue]:
         """The module's stateful metrics for one phase (each phase its own objects), made once."""
-        made = self.__dict__.setdefault("_stateful", {})
+        made = self._stateful
         if prefix not in made:
             made[prefix] = {
                 name: KerasMetricValue(metric, f"{type(self.module).__name__}.stateful_metrics()['{name}']")

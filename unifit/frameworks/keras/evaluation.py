@@ -20,6 +20,7 @@ import tensorflow as tf
 from unifit.errors import ConfigError
 from unifit.frameworks.keras.data import arrays, unbatched
 from unifit.frameworks.keras.precision import make_precision
+from unifit.strategies.keras_training import KerasTraining
 
 # stage -> (the data provider's method, the module's step, the metrics' prefix)
 _STAGES = {
@@ -33,6 +34,7 @@ class KerasEvaluation:
     module: Any
     data: Any
     strategy: Any
+    training: KerasTraining
     config: Any
     collector: Any
 
@@ -60,7 +62,7 @@ class KerasEvaluation:
             self.module.model = model = self.precision.prepare_model(self.module.build_model())
             if x_shape is not None:
                 model.build(tuple([None, *x_shape]))
-        strategy.broadcast_variables(model.variables)  # rank 0's weights everywhere, as fit starts
+        self.training.broadcast_variables(model.variables)  # rank 0's weights everywhere, as fit starts
         if stage == "predict":
             self._eval_fn = tf.function(self._predict_step())
         else:

@@ -4,7 +4,7 @@ One object per run owns everything that differs between `32-true`, `bf16-mixed` 
 so the engine's compiled step reads the same for all three (the twin of frameworks/torch/precision.py):
 
     scaled = precision.scale_loss(loss)            # x loss scale (float16), else the loss itself
-    grads = strategy.reduce_gradients(grads)       # Horovod: every rank holds the same scale
+    grads = training.reduce_gradients(grads)       # Horovod: every rank holds the same scale
     tf.clip_by_global_norm(grads, precision.clip_norm(clip))   # clipping scaled grads at clip x scale
     step_optimizer.apply_gradients(...)            # float16: unscale, skip on inf/NaN, adapt the scale
 

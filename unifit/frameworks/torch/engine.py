@@ -46,6 +46,28 @@ class _StepModule(torch.nn.Module):
 
 
 class TorchEngine(TorchEvaluation, Engine):
+    # what setup() makes, in one place: the device and precision, the loaders and their sizes, the
+    # wrapped step and optimizer, the schedule and lr policy, and the step counters
+    device: torch.device
+    precision: Precision
+    train_loader: Any
+    val_loader: Any
+    wrapped: Any  # the module to call for a step, wrapped by the strategy (DDP, FSDP)
+    optimizer: Any
+    schedule: Any  # the parsed configure_optimizers() schedule, or None
+    scheduler: Any
+    policy: LRPolicy
+    accumulate: int
+    _move: bool  # batches go to a device other than the CPU
+    _stream: bool  # the training data is an iterable stream
+    _sizes: Any
+    _batches: int  # training batches per epoch on this rank
+    _forward: Any  # training_step, through the wrapper (and torch.compile) where needed
+    _validate: Any
+    _plain: bool  # the strategy's default step in full precision: the fast path
+    _steps: int  # optimizer steps taken
+    _epochs_done: int
+
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
@@ -126,7 +148,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
         _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
         self._steps = 0
-        training = self.training = _torch_training(strategy)
+        training = self.training
         step_module = _StepModule(self.module)
         self.wrapped, optimizer = training.setup_module_and_optimizer(
             step_module, self.optimizer, self.device, self.precision, self.accumulate
@@ -394,7 +416,7 @@ class TorchEngine(TorchEvaluation, Engine):
 
     def model_files(self) -> dict[str, bytes]:
         """The whole model; gathered from every rank where it is sharded (so every rank calls this)."""
-        state = _torch_training(self.strategy).full_model_state(self.module)
+        state = self.training.full_model_state(self.module)
         if not state:  # a rank other than 0 of a sharded model
             return {}
         buffer = io.BytesIO()
@@ -406,15 +428,6 @@ class TorchEngine(TorchEvaluation, Engine):
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         sharded_state.locate(payload["engine"], fs.unstrip_protocol(directory))
         return payload
-
-
-def _torch_training(strategy: Any) -> TorchTraining:
-    if not isinstance(strategy, TorchTraining):
-        raise ConfigError(
-            f"trainer.strategy: {type(strategy).__name__} cannot train PyTorch modules (it does not "
-            "mix in unifit.strategies.torch_training.TorchTraining); use a strategy that does, e.g. ddp"
-        )
-    return strategy
 
 
 def _compiled(forward: Any) -> Any:

@@ -16,6 +16,7 @@ from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
+from unifit.strategies.torch_training import TorchTraining
 
 # stage -> (the data provider's method, the module's step)
 _STAGES = {
@@ -29,6 +30,7 @@ class TorchEvaluation:
     module: Any
     data: Any
     strategy: Any
+    training: TorchTraining
     config: Any
     collector: Any
 
@@ -80,7 +82,7 @@ class TorchEvaluation:
 
     def load_weights(self, state: dict[str, Any]) -> None:
         """The checkpoint's model, whole on every rank (one written sharded by fsdp is read whole too)."""
-        self.strategy.load_training_state(self.module, None, state, self.config.storage_options)
+        self.training.load_training_state(self.module, None, state, self.config.storage_options)
 
     def eval_batches(self) -> Iterator[Any]:
         self.module.eval()

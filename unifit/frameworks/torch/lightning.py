@@ -340,9 +340,12 @@ class LightningAdapter(TrainModule):
         for name, value in dictionary.items():
             self._log(name, value, **kwargs)
 
+    def attach_callbacks(self, callbacks: list[Any]) -> None:
+        """The callback that calls the LightningModule's own hooks (callbacks/lightning_hooks.py, made
+        by trainer/adapt.py, which may import callbacks): it runs as the module's configure_callbacks()."""
+        self.hooks = list(callbacks)
+
     def configure_callbacks(self) -> list[Any]:
-        """The callback that calls the LightningModule's own hooks (callbacks/lightning_hooks.py, set
-        by trainer/adapt.py, which may import callbacks)."""
         own = self.lightning.configure_callbacks()
         if own:
             kinds = ", ".join(type(c).__name__ for c in (own if isinstance(own, (list, tuple)) else [own]))

@@ -18,46 +18,24 @@ from typing import Any, ContextManager, Iterator, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PositiveFloat
 
-from unifit._imports import load_object
 from unifit.errors import ConfigError, DistributedError, MissingExtraError, error_prefix, first_line
 from unifit.strategies.base import Strategy
-from unifit.strategies.keras_training import KerasTraining
-from unifit.strategies.torch_training import TorchTraining
 from unifit.strategies.watchdog import CollectiveWatchdog
 
 log = logging.getLogger("unifit")
 
-# module framework -> its adapter (imported only when used)
-ADAPTERS = {
-    "torch": "unifit.strategies.horovod.torch_adapter:TorchHorovod",
-    "tensorflow": "unifit.strategies.horovod.tf_adapter:TFHorovod",
-}
 
-
-class Adapter:
-    """What differs between Horovod's torch and TensorFlow halves; a hook an adapter leaves out is a no-op."""
+class Binding:
+    """Horovod's calls for one framework (horovod.torch or horovod.tensorflow), which its collectives go
+    through: each framework's training part (torch_adapter.py, tf_adapter.py) is also its binding."""
 
     hvd: Any
     errors: tuple[type[BaseException], ...] = (RuntimeError,)  # what a broken collective raises
-
-    def __init__(self, strategy: HorovodStrategy) -> None:
-        self.strategy = strategy
 
     def pin_device(self, local_rank: int, accelerator: str) -> None: ...
 
     def all_reduce(self, values: np.ndarray, op: str, name: str) -> np.ndarray:
         raise NotImplementedError
-
-    def wrap_optimizer(self, optimizer: Any, module: Any, accumulate: int) -> Any:
-        return optimizer
-
-    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
-        return contextlib.nullcontext()
-
-    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
-        return grads
-
-    def broadcast_variables(self, variables: list[Any]) -> None: ...
 
 
 class HorovodOptions(BaseModel):
@@ -70,15 +48,25 @@ class HorovodOptions(BaseModel):
     compression: Literal["none", "fp16"] = "none"  # gradients sent as float16 halve the bytes on the wire
 
 
-class HorovodStrategy(Strategy, TorchTraining, KerasTraining):
+class HorovodStrategy(Strategy):
+    """Framework-neutral Horovod: start-up settings, rank facts, collectives, barriers, errors."""
+
     name = "horovod"
     Options = HorovodOptions
 
     _started = False
     watchdog: CollectiveWatchdog | None = None
+    adapter: Binding | None = None
+
+    def attach(self, training: Any) -> None:
+        self.adapter = training  # the module's framework's part: its Horovod calls are the collectives'
 
     def setup(self) -> None:
-        self.adapter: Adapter = load_object(ADAPTERS[self.framework], field="trainer.strategy")(self)
+        if self.adapter is None:
+            raise ConfigError(
+                "trainer.strategy: horovod was created without its training part; create it with "
+                "unifit.strategies.registry.create and registry.training"
+            )
         self._configure_environment()
         hvd = self.hvd = self.adapter.hvd
         hvd.init()
@@ -135,20 +123,6 @@ class HorovodStrategy(Strategy, TorchTraining, KerasTraining):
                 self.watchdog.close()
             self.hvd.shutdown()
         self._started = False
-
-    # ---- gradient synchronisation: the adapter's --------------------------------------------
-    def wrap_optimizer(self, optimizer: Any, module: Any, accumulate: int) -> Any:
-        return self.adapter.wrap_optimizer(optimizer, module, accumulate)
-
-    def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
-        return self.adapter.synchronized_gradients(optimizer)
-
-    def reduce_gradients(self, grads: list[Any]) -> list[Any]:
-        return self.adapter.reduce_gradients(grads)
-
-    def broadcast_variables(self, variables: list[Any]) -> None:
-        with self.collective("broadcast of the initial variables"):
-            self.adapter.broadcast_variables(variables)
 
     # ---- collectives ----------------------------------------------------------------------
     def all_reduce_sum(self, values: np.ndarray) -> np.ndarray:

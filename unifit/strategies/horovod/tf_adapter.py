@@ -1,4 +1,5 @@
-"""Horovod for Keras modules: a grouped allreduce of the gradients inside the compiled step, and
+"""Horovod's training part for Keras modules (its row in the registry's table), also the horovod.tensorflow
+binding its collectives go through: a grouped allreduce of the gradients inside the compiled step, and
 a broadcast of each variable's value from rank 0.
 
 Horovod's own broadcast_variables, DistributedGradientTape and Keras callbacks expect Keras 2 and
@@ -12,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 
-from unifit.strategies.horovod.strategy import Adapter, import_horovod
+from unifit.strategies.horovod.strategy import Binding, import_horovod
+from unifit.strategies.keras_training import KerasTraining
 
 if TYPE_CHECKING:
     from unifit.strategies.horovod.strategy import HorovodStrategy
 
 
-class TFHorovod(Adapter):
+class TFHorovod(KerasTraining, Binding):
     errors = (tf.errors.OpError, RuntimeError)
+    strategy: HorovodStrategy
 
     def __init__(self, strategy: HorovodStrategy) -> None:
         super().__init__(strategy)
@@ -63,6 +66,7 @@ class TFHorovod(Adapter):
     def broadcast_variables(self, variables: list[Any]) -> None:
         if self.strategy.world_size == 1:
             return
-        for i, variable in enumerate(variables):
-            value = self.hvd.broadcast(tf.convert_to_tensor(variable), root_rank=0, name=f"unifit.variable.{i}")
-            variable.assign(value)
+        with self.strategy.collective("broadcast of the initial variables"):
+            for i, variable in enumerate(variables):
+                value = self.hvd.broadcast(tf.convert_to_tensor(variable), root_rank=0, name=f"unifit.variable.{i}")
+                variable.assign(value)

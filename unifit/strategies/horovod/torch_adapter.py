@@ -1,4 +1,5 @@
-"""Horovod for PyTorch modules: hvd.DistributedOptimizer and a broadcast of rank 0's parameters."""
+"""Horovod's training part for PyTorch modules (its row in the registry's table): hvd.DistributedOptimizer
+and a broadcast of rank 0's parameters; also the horovod.torch binding its collectives go through."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 import torch
 
-from unifit.strategies.horovod.strategy import Adapter, import_horovod
+from unifit.strategies.horovod.strategy import Binding, import_horovod
+from unifit.strategies.torch_training import TorchTraining
 
 if TYPE_CHECKING:
     from unifit.strategies.horovod.strategy import HorovodStrategy
 
 
-class TorchHorovod(Adapter):
+class TorchHorovod(TorchTraining, Binding):
     errors = (RuntimeError,)  # HorovodInternalError is a RuntimeError
+    strategy: HorovodStrategy
 
     def __init__(self, strategy: HorovodStrategy) -> None:
         super().__init__(strategy)
