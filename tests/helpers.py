@@ -7,37 +7,79 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
-
-# processes per strategy for the conformance suite, and the options it runs with there;
-# later strategies add their entry here. smddp-like runs 4 ranks as 2 "nodes" x 2, so its
-# hierarchical allreduce is really exercised.
-# Keys are test variants: a strategy name, or "<strategy>-keras" for a strategy that trains both
-# frameworks, run there with the Keras probe.
-STRATEGY_PROCS = {
-    "single": 1,
-    "ddp": 2,
-    "smddp-like": 4,
-    "fsdp": 2,
-    "mirrored": 1,
-    "mwms": 2,
-    "horovod": 2,
-    "horovod-keras": 2,
-}
-STRATEGY_REPLICAS = {**STRATEGY_PROCS, "mirrored": 2}  # mirrored: 2 logical CPU devices in one process
-STRATEGY_OPTIONS = {
-    "smddp-like": ["--trainer.strategy_options", "{local_world_size: 2}"],
-    "mirrored": ["--trainer.strategy_options", "{devices: 2}"],
-}
 KERAS_PROBE_YAML = REPO / "tests" / "probe" / "keras_probe.yaml"
-KERAS_STRATEGIES = {"mirrored", "mwms", "horovod-keras"}
+
+
+@dataclass(frozen=True)
+class StrategyCase:
+    """One row of the strategy matrix: a strategy, the framework it trains there, how it is launched.
+
+    The suites that run every strategy (conformance, long jobs, soak) parametrise over STRATEGIES,
+    the others pick rows by id (strategy_params("ddp", "horovod"), STRATEGY["mwms"]): a new strategy
+    is one more row. smddp-like runs 4 ranks as 2 "nodes" x 2, so its hierarchical allreduce is really
+    exercised; mirrored runs 2 logical CPU devices in one process.
+    """
+
+    id: str  # the pytest id and the name tests use: the strategy, or "<strategy>-keras" for a strategy
+    # that trains both frameworks, run there with the Keras probe
+    strategy: str  # --trainer.strategy
+    framework: str  # "torch" or "keras": the probe (and soak experiment) it trains
+    nproc: int  # processes `unifit launch --nproc-per-node` starts
+    strategy_options: str = ""  # its trainer.strategy_options on one host, if any
+    replicas_per_process: int = 1  # mirrored: one per logical CPU device
+
+    @property
+    def replicas(self) -> int:
+        return self.nproc * self.replicas_per_process
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The flags it runs with on one host."""
+        return ("--trainer.strategy_options", self.strategy_options) if self.strategy_options else ()
+
+    @property
+    def probe_yaml(self) -> Path:
+        return KERAS_PROBE_YAML if self.framework == "keras" else PROBE_YAML
+
+
+STRATEGIES: tuple[StrategyCase, ...] = (
+    StrategyCase("single", "single", "torch", 1),
+    StrategyCase("ddp", "ddp", "torch", 2),
+    StrategyCase("smddp-like", "smddp-like", "torch", 4, "{local_world_size: 2}"),
+    StrategyCase("fsdp", "fsdp", "torch", 2),
+    StrategyCase("mirrored", "mirrored", "keras", 1, "{devices: 2}", replicas_per_process=2),
+    StrategyCase("mwms", "mwms", "keras", 2),
+    StrategyCase("horovod", "horovod", "torch", 2),
+    StrategyCase("horovod-keras", "horovod", "keras", 2),
+)
+STRATEGY = {case.id: case for case in STRATEGIES}
+
+
+def strategy_params(*ids: str) -> list:
+    """pytest parameters (one StrategyCase each, under its id): the rows named, in that order, or every row."""
+    import pytest
+
+    return [pytest.param(STRATEGY[i], id=i) for i in ids or STRATEGY]
+
+
+# views of the table for the suites that look one row up by its id
+STRATEGY_PROCS = {case.id: case.nproc for case in STRATEGIES}
+STRATEGY_REPLICAS = {case.id: case.replicas for case in STRATEGIES}
+STRATEGY_OPTIONS = {case.id: list(case.options) for case in STRATEGIES if case.options}
+KERAS_STRATEGIES = {case.id for case in STRATEGIES if case.framework == "keras"}
 
 
 def strategy_name(variant: str) -> str:
-    return variant.removesuffix("-keras")
+    return STRATEGY[variant].strategy
+
+
+def _case(strategy: str | StrategyCase) -> StrategyCase:
+    return strategy if isinstance(strategy, StrategyCase) else STRATEGY[strategy]
 
 
 def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -48,7 +90,7 @@ def run_unifit(*args: str, timeout: float = 180, env: dict[str, str] | None = No
 
 
 def probe_args(
-    strategy: str,
+    strategy: str | StrategyCase,
     root: Path | str,
     *overrides: str,
     ckpt: str | None = None,
@@ -57,27 +99,27 @@ def probe_args(
 ) -> list[str]:
     report_dir = report_dir or Path(str(root)) / "reports"
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
-    yaml_file = KERAS_PROBE_YAML if strategy in KERAS_STRATEGIES else PROBE_YAML
+    case = _case(strategy)
     args = [
         "launch",
         "--nproc-per-node",
-        str(STRATEGY_PROCS[strategy]),
+        str(case.nproc),
         "-c",
-        str(yaml_file),
+        str(case.probe_yaml),
         "--trainer.strategy",
-        strategy_name(strategy),
+        case.strategy,
         "--trainer.root_dir",
         str(root),
         "--trainer.callbacks",
         json.dumps([report, *(callbacks or [])]),
-        *STRATEGY_OPTIONS.get(strategy, []),
+        *case.options,
         *overrides,
     ]
     return args + (["--ckpt-path", ckpt] if ckpt else [])
 
 
 def launch_probe(
-    strategy: str,
+    strategy: str | StrategyCase,
     root: Path | str,
     *overrides: str,
     ckpt: str | None = None,

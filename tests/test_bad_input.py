@@ -1,4 +1,8 @@
-"""Bad input: one line naming the field, what was received and the fix; exit code 2; no traceback."""
+"""Bad input: one line naming the field, what was received and the fix; exit code 2; no traceback.
+
+Checked in this process (the `cli` fixture calls unifit's main()); one bad config, one missing file and
+one refused launch go through a real `python -m unifit` each, so the process's exit code and output
+stay pinned end to end."""
 
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ trainer:
 """
 
 
+END_TO_END = ["--trainer.strategy", "nope"]  # the case run by a real `python -m unifit`
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "override, needles",
@@ -59,24 +66,26 @@ trainer:
         (["--epochs", "3"], ["unknown argument '--epochs'"]),
     ],
 )
-def test_bad_config_gives_one_line_and_exit_2(tmp_path, override, needles):
+def test_bad_config_gives_one_line_and_exit_2(tmp_path, cli, override, needles):
     exp = _write(tmp_path, BASE.format(root=tmp_path / "run"))
-    _one_line_error(run_unifit("fit", "-c", str(exp), *override, timeout=60), *needles)
+    run = run_unifit if override == END_TO_END else cli
+    _one_line_error(run("fit", "-c", str(exp), *override, timeout=60), *needles)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.timeout(60)
-def test_missing_config_file_and_invalid_yaml(tmp_path):
+def test_missing_config_file_and_invalid_yaml(tmp_path, cli):
+    # a missing file in a real process, end to end
     _one_line_error(run_unifit("fit", "-c", str(tmp_path / "missing.yaml")), "missing.yaml", "does not exist")
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_epochs: [1,\n")
-    _one_line_error(run_unifit("print-config", "-c", str(bad)), "bad.yaml", "not valid YAML", "line")
+    _one_line_error(cli("print-config", "-c", str(bad)), "bad.yaml", "not valid YAML", "line")
     wrong_type = tmp_path / "list.yaml"
     wrong_type.write_text("- a\n- b\n")
-    _one_line_error(run_unifit("fit", "-c", str(wrong_type)), "list.yaml", "expected a mapping")
+    _one_line_error(cli("fit", "-c", str(wrong_type)), "list.yaml", "expected a mapping")
     no_module = tmp_path / "nomodule.yaml"
     no_module.write_text("trainer: {max_epochs: 1}\n")
-    _one_line_error(run_unifit("fit", "-c", str(no_module)), "'module' is required")
+    _one_line_error(cli("fit", "-c", str(no_module)), "'module' is required")
 
 
 @pytest.mark.timeout(120)
@@ -91,13 +100,14 @@ def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, strategy):
 
 @pytest.mark.timeout(60)
 def test_single_strategy_refuses_many_processes(tmp_path):
+    """A refused launch, in a real process end to end."""
     exp = _write(tmp_path, BASE.format(root=tmp_path / "run"))
     _one_line_error(run_unifit("launch", "--nproc-per-node", "2", "-c", str(exp)), "strategy 'single' runs one process")
 
 
 @pytest.mark.timeout(60)
-def test_print_config_shows_resolved_values_with_overrides():
-    result = run_unifit("print-config", "-c", str(PROBE_YAML), "--trainer.max_epochs", "7", "--module.init_args.lr=0.2")
+def test_print_config_shows_resolved_values_with_overrides(cli):
+    result = cli("print-config", "-c", str(PROBE_YAML), "--trainer.max_epochs", "7", "--module.init_args.lr=0.2")
     assert result.returncode == 0, result.stderr
     import yaml
 

@@ -400,8 +400,8 @@ def test_unifit_launch_in_one_srun_task_per_node_starts_torchrun_ranks(tmp_path,
 
 
 @pytest.mark.timeout(60)
-def test_bad_slurm_variable_ends_fit_with_one_line_and_exit_2(tmp_path, clean_environment):
-    result = run_unifit(*fit_args(tmp_path), env=srun_env(0, SLURM_NTASKS="two"), timeout=50)
+def test_bad_slurm_variable_ends_fit_with_one_line_and_exit_2(tmp_path, clean_environment, cli):
+    result = cli(*fit_args(tmp_path), env=srun_env(0, SLURM_NTASKS="two"))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if "SLURM_NTASKS" in line]
     assert len(lines) == 1 and "'two'" in lines[0], result.stderr
@@ -410,7 +410,8 @@ def test_bad_slurm_variable_ends_fit_with_one_line_and_exit_2(tmp_path, clean_en
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy, yaml", [("horovod", PROBE_YAML), ("mwms", KERAS_PROBE_YAML)])
 def test_srun_fit_of_a_strategy_that_needs_its_launcher_is_refused(tmp_path, clean_environment, strategy, yaml):
-    """`srun unifit fit` with horovod or mwms would start N processes that each train alone: refused."""
+    """`srun unifit fit` with horovod or mwms would start N processes that each train alone: refused.
+    In a real process: under srun it is a launched rank, which main() ends with os._exit."""
     result = run_unifit(
         "fit",
         "-c",

@@ -17,7 +17,7 @@ from unifit.config import init_args
 from unifit.config.loading import check_classes, parse_yaml, validate_experiment
 from unifit.errors import ConfigError
 
-HERE = __name__  # the subprocesses import the classes below from this file
+HERE = __name__  # `unifit fit` imports the classes below from this file
 LINEAR = {"class_path": "torch.nn.Linear", "init_args": {"in_features": 4, "out_features": 2}}
 
 
@@ -126,8 +126,8 @@ def test_fit_builds_nested_class_path_and_reads_a_string_float(tmp_path):
         ),
     ],
 )
-def test_bad_init_args_give_one_line_and_exit_2_before_training(tmp_path, override, needles):
-    result = run_unifit("fit", "-c", str(_experiment(tmp_path)), *override, timeout=60)
+def test_bad_init_args_give_one_line_and_exit_2_before_training(tmp_path, cli, override, needles):
+    result = cli("fit", "-c", str(_experiment(tmp_path)), *override)
     assert result.returncode == 2, f"exit {result.returncode}\n{result.stderr}"
     errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr

@@ -1,6 +1,6 @@
 """The strategy conformance suite: every strategy, started by its own launcher, must pass it.
 
-Later strategies join by adding their name and process count to helpers.STRATEGY_PROCS.
+Later strategies join by adding their row to helpers.STRATEGIES.
 """
 
 from __future__ import annotations
@@ -10,31 +10,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import STRATEGY_PROCS, STRATEGY_REPLICAS, assert_ok, launch_probe, metrics_lines, reports
+from tests.helpers import StrategyCase, assert_ok, launch_probe, metrics_lines, reports, strategy_params
 
-STRATEGIES = list(STRATEGY_PROCS)
 N_TRAIN, N_VAL = 64, 37
 
 
-@pytest.fixture(scope="module", params=STRATEGIES)
-def trained(request, tmp_path_factory) -> tuple[str, Path]:
+@pytest.fixture(scope="module", params=strategy_params())
+def trained(request, tmp_path_factory) -> tuple[StrategyCase, Path]:
     """One 3-epoch probe run per strategy, shared by the checks below."""
-    root = tmp_path_factory.mktemp(f"conf-{request.param}")
-    assert_ok(launch_probe(request.param, root))
-    return request.param, root
+    case = request.param
+    root = tmp_path_factory.mktemp(f"conf-{case.id}")
+    assert_ok(launch_probe(case, root))
+    return case, root
 
 
 @pytest.mark.timeout(240)
 def test_every_rank_reported(trained):
-    strategy, root = trained
+    case, root = trained
     got = reports(root)
-    assert [r["rank"] for r in got] == list(range(STRATEGY_PROCS[strategy]))
-    assert all(r["world_size"] == STRATEGY_PROCS[strategy] for r in got)
+    assert [r["rank"] for r in got] == list(range(case.nproc))
+    assert all(r["world_size"] == case.nproc for r in got)
 
 
 @pytest.mark.timeout(240)
 def test_train_shards_are_disjoint_and_cover_each_epoch(trained):
-    strategy, root = trained
+    case, root = trained
     got = reports(root)
     for epoch in range(3):
         shards = [r["seen"][f"train_epoch_{epoch}"] for r in got]
@@ -43,8 +43,8 @@ def test_train_shards_are_disjoint_and_cover_each_epoch(trained):
     if len(got) > 1:  # reshuffled each epoch
         assert got[0]["seen"]["train_epoch_0"] != got[0]["seen"]["train_epoch_1"]
     by_replica = got[0]["seen_by_replica"]
-    if STRATEGY_REPLICAS[strategy] > STRATEGY_PROCS[strategy]:  # several replicas in one process: each its own part
-        parts = [set(by_replica[f"train_epoch_0/replica{r}"]) for r in range(STRATEGY_REPLICAS[strategy])]
+    if case.replicas > case.nproc:  # several replicas in one process: each its own part
+        parts = [set(by_replica[f"train_epoch_0/replica{r}"]) for r in range(case.replicas)]
         assert all(parts) and not set.intersection(*parts)
 
 
@@ -74,9 +74,9 @@ def test_weights_and_metrics_identical_on_all_ranks(trained):
 
 @pytest.mark.timeout(240)
 def test_only_rank_zero_wrote_files(trained):
-    strategy, root = trained
+    case, root = trained
     ckpts = sorted(p.name for p in (root / "checkpoints").iterdir())
-    steps = 8 // STRATEGY_REPLICAS[strategy]  # 64 samples, batch 8 per replica
+    steps = 8 // case.replicas  # 64 samples, batch 8 per replica
     assert ckpts == [f"epoch={e:04d}-step={e * steps:07d}" for e in (1, 2, 3)] + ["last.json"]
     events = list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1, events
@@ -88,7 +88,7 @@ def test_only_rank_zero_wrote_files(trained):
 def test_tensorboard_holds_epoch_and_step_scalars(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    strategy, root = trained
+    _, root = trained
     acc = EventAccumulator(str(root / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -102,10 +102,10 @@ def test_tensorboard_holds_epoch_and_step_scalars(trained):
 @pytest.mark.timeout(400)
 def test_resume_continues_the_same_loss_curve(trained, tmp_path):
     """2 epochs, then resumed to 3: the same curve and weights as the shared uninterrupted 3-epoch run."""
-    strategy, full = trained
+    case, full = trained
     part = tmp_path / "part"
-    assert_ok(launch_probe(strategy, part, "--trainer.max_epochs", "2"))
-    resumed = launch_probe(strategy, part, "--trainer.max_epochs", "3", ckpt="last")
+    assert_ok(launch_probe(case, part, "--trainer.max_epochs", "2"))
+    resumed = launch_probe(case, part, "--trainer.max_epochs", "3", ckpt="last")
     assert_ok(resumed)
     assert "resumed from" in resumed.stderr, resumed.stderr
     a, b = metrics_lines(full), metrics_lines(part)

@@ -140,8 +140,8 @@ def test_digits_example_takes_an_lr_in_scientific_notation(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("root", ["/proc/unifit-cannot-exist/run", "/sys/unifit-run"])
-def test_root_dir_that_cannot_be_created_is_one_line(tmp_path, root):
-    result = run_unifit("fit", "-c", str(PROBE_YAML), "--trainer.root_dir", root)
+def test_root_dir_that_cannot_be_created_is_one_line(tmp_path, cli, root):
+    result = cli("fit", "-c", str(PROBE_YAML), "--trainer.root_dir", root)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]

@@ -191,8 +191,8 @@ def test_hybrid_sharding_on_one_node_is_one_line_from_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_keras_module_under_fsdp_is_refused(tmp_path):
-    result = run_unifit(
+def test_keras_module_under_fsdp_is_refused(tmp_path, cli):
+    result = cli(
         "fit",
         "-c",
         str(Path(__file__).parent / "probe" / "keras_probe.yaml"),

@@ -154,8 +154,8 @@ def test_launcher_command_line_one_and_several_hosts():
         (["--hosts", "h1,h2", "--node-rank", "1"], "run 'unifit launch' there only"),
     ],
 )
-def test_launcher_refuses_what_horovodrun_cannot_do(tmp_path, flags, expected):
-    result = run_unifit(
+def test_launcher_refuses_what_horovodrun_cannot_do(tmp_path, cli, flags, expected):
+    result = cli(
         "launch",
         "--nproc-per-node",
         "2",
@@ -166,7 +166,6 @@ def test_launcher_refuses_what_horovodrun_cannot_do(tmp_path, flags, expected):
         "horovod",
         "--trainer.root_dir",
         str(tmp_path),
-        timeout=50,
     )
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
@@ -188,8 +187,8 @@ def test_horovodrun_environment_reader():
 
 
 @pytest.mark.timeout(60)
-def test_unknown_strategy_option_is_a_one_line_error(tmp_path):
-    result = run_unifit(
+def test_unknown_strategy_option_is_a_one_line_error(tmp_path, cli):
+    result = cli(
         "fit",
         "-c",
         str(PROBE_YAML),
@@ -199,7 +198,6 @@ def test_unknown_strategy_option_is_a_one_line_error(tmp_path):
         str(tmp_path),
         "--trainer.strategy_options",
         "{fusion_mb: 8}",
-        timeout=50,
     )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]

@@ -60,9 +60,9 @@ def _one_line(result, *needles):
 
 
 @pytest.mark.timeout(120)
-def test_torch_module_with_a_tensorflow_strategy(tmp_path):
+def test_torch_module_with_a_tensorflow_strategy(tmp_path, cli):
     _one_line(
-        run_unifit(
+        cli(
             "fit",
             "-c",
             "examples/digits/torch.yaml",
@@ -78,9 +78,9 @@ def test_torch_module_with_a_tensorflow_strategy(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_keras_module_with_a_torch_strategy(tmp_path):
+def test_keras_module_with_a_torch_strategy(tmp_path, cli):
     _one_line(
-        run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "ddp", "--trainer.root_dir", str(tmp_path)),
+        cli("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "ddp", "--trainer.root_dir", str(tmp_path)),
         "'ddp' trains torch modules",
         "DigitsKeras is a tensorflow module",
         "mirrored, mwms",
@@ -88,9 +88,9 @@ def test_keras_module_with_a_torch_strategy(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_mirrored_with_more_devices_than_exist(tmp_path):
+def test_mirrored_with_more_devices_than_exist(tmp_path, cli):
     _one_line(
-        run_unifit(
+        cli(
             "fit",
             "-c",
             KERAS_DIGITS,
@@ -106,9 +106,9 @@ def test_mirrored_with_more_devices_than_exist(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_malformed_tf_config(tmp_path):
+def test_malformed_tf_config(tmp_path, cli):
     _one_line(
-        run_unifit(
+        cli(
             "fit",
             "-c",
             KERAS_DIGITS,
@@ -151,9 +151,9 @@ def test_unreachable_worker_fails_instead_of_hanging(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_smddp_like_with_a_keras_module(tmp_path):
+def test_smddp_like_with_a_keras_module(tmp_path, cli):
     _one_line(
-        run_unifit("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "smddp-like", "--trainer.root_dir", str(tmp_path)),
+        cli("fit", "-c", KERAS_DIGITS, "--trainer.strategy", "smddp-like", "--trainer.root_dir", str(tmp_path)),
         "'smddp-like' trains torch modules",
         "DigitsKeras is a tensorflow module",
     )

@@ -16,9 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_ok, launch_probe, metrics_lines, probe_args, reports, run_unifit, start_unifit, stop
+from tests.helpers import (
+    assert_ok,
+    launch_probe,
+    metrics_lines,
+    probe_args,
+    reports,
+    run_unifit,
+    start_unifit,
+    stop,
+    strategy_params,
+)
 
-STRATEGIES = ["single", "ddp", "smddp-like", "fsdp", "horovod", "mirrored", "mwms", "horovod-keras"]
 STEPS = (
     "--trainer.checkpoint.every_n_steps",
     "2",
@@ -43,12 +52,12 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_preempted_mid_epoch_resumes_exactly(tmp_path, strategy):
+@pytest.mark.parametrize("case", strategy_params())
+def test_preempted_mid_epoch_resumes_exactly(tmp_path, case):
     full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(launch_probe(strategy, full, *STEPS))
-    signalled_rank = 0 if strategy in ("single", "mirrored") else 1
-    stopped = launch_probe(strategy, part, *STEPS, callbacks=_signal_at(signalled_rank))
+    assert_ok(launch_probe(case, full, *STEPS))
+    signalled_rank = 0 if case.nproc == 1 else 1  # single, mirrored: their one process
+    stopped = launch_probe(case, part, *STEPS, callbacks=_signal_at(signalled_rank))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     said = [line for line in stopped.stderr.splitlines() if "preempted by SIGTERM" in line]
     assert len(said) >= 1, stopped.stderr[-3000:]
@@ -56,7 +65,7 @@ def test_preempted_mid_epoch_resumes_exactly(tmp_path, strategy):
     progress = _saved_progress(part / "checkpoints" / last)
     assert progress["epoch"] == 1 and progress["batch_in_epoch"] == 1, progress  # mid-epoch 2, where it was stopped
 
-    resumed = launch_probe(strategy, part, *STEPS, ckpt="auto")
+    resumed = launch_probe(case, part, *STEPS, ckpt="auto")
     assert_ok(resumed)
     assert "batch 1 of epoch 2" in resumed.stderr
     _assert_same_run(full, part)
@@ -122,11 +131,9 @@ def test_every_n_minutes_saves_mid_epoch(tmp_path):
     assert [s for s in steps if s % 32] == [10, 20, 30, 40, 50, 60, 70, 80, 90], steps
 
 
-@pytest.mark.parametrize("strategy", ["horovod", "mwms"])
-def test_max_restarts_refused_where_no_launcher_restarts(tmp_path, strategy):
-    result = run_unifit(
-        *probe_args(strategy if strategy != "mwms" else "mwms", tmp_path), "--max-restarts", "2", timeout=60
-    )
+@pytest.mark.parametrize("case", strategy_params("horovod", "mwms"))
+def test_max_restarts_refused_where_no_launcher_restarts(tmp_path, cli, case):
+    result = cli(*probe_args(case, tmp_path), "--max-restarts", "2")
     assert result.returncode == 2, result.stderr
     # unifit's lines (checking the Keras experiment imports TensorFlow, whose C++ start-up lines come before
     # absl is initialised and follow no TF_CPP_MIN_LOG_LEVEL in TensorFlow 2.21)

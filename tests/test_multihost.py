@@ -8,7 +8,8 @@ conformance checks that matter across hosts (disjoint shards, identical weights,
 rank-0-only files on the shared directory, resume), and a host whose link goes down mid-run ends
 every process of the job with a non-zero exit and one line saying what failed.
 
-Needs root and `ip netns` (CI has both); elsewhere the tests skip with the reason. Marker: multihost
+Needs root and `ip netns` (CI has both); elsewhere the tests skip with the reason. Marker: multihost,
+registered in pyproject.toml
 (`pytest -m multihost` runs only these, `-m "not multihost"` leaves them out).
 """
 
@@ -24,17 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import KERAS_PROBE_YAML, PROBE_YAML, REPO, metrics_lines, reports
+from tests.helpers import REPO, STRATEGY, metrics_lines, reports
 from tests.netns import IFNAME, Cluster, unavailable
 
-
-def _register_marker() -> None:
-    config = getattr(pytest.mark, "_config", None)  # the running session's config (no conftest needed)
-    if config is not None and not any(m.startswith("multihost") for m in config.getini("markers")):
-        config.addinivalue_line("markers", "multihost: runs jobs across network namespaces (needs root, ip netns)")
-
-
-_register_marker()
 UNAVAILABLE = unavailable()
 if UNAVAILABLE:
     print(f"tests/test_multihost.py skipped: {UNAVAILABLE}", file=sys.stderr)
@@ -74,13 +67,15 @@ def _fit_args(
     ckpt: str | None = None,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
+    """The probe of the strategy's row in helpers.STRATEGIES, without its one-host options (the hosts
+    are the nodes here)."""
+    case = STRATEGY[strategy]
     report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
-    yaml_file = KERAS_PROBE_YAML if strategy == "mwms" else PROBE_YAML
     args = [
         "-c",
-        str(yaml_file),
+        str(case.probe_yaml),
         "--trainer.strategy",
-        strategy,
+        case.strategy,
         "--trainer.root_dir",
         str(root),
         "--trainer.max_epochs",

@@ -51,10 +51,8 @@ def _custom(args: list[str]) -> list[str]:
         ("ddpp", "unknown strategy 'ddpp'"),
     ],
 )
-def test_bad_strategy_class_path_is_one_line(tmp_path, path, expected):
-    result = run_unifit(
-        "print-config", "-c", str(REPO / "tests/probe/probe.yaml"), "--trainer.strategy", path, timeout=60
-    )
+def test_bad_strategy_class_path_is_one_line(tmp_path, cli, path, expected):
+    result = cli("print-config", "-c", str(REPO / "tests/probe/probe.yaml"), "--trainer.strategy", path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "trainer.strategy" in lines[0] and expected in lines[0], result.stderr

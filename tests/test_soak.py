@@ -19,20 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    KERAS_STRATEGIES,
-    REPO,
-    STRATEGY_OPTIONS,
-    STRATEGY_PROCS,
-    STRATEGY_REPLICAS,
-    run_unifit,
-    strategy_name,
-)
+from tests.helpers import REPO, StrategyCase, run_unifit, strategy_params
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 30, 100, 4  # 3,000 optimizer steps on every rank
 WARMUP_EPOCHS = EPOCHS // 4  # thread pools, allocator arenas and TensorFlow's caches fill up here
 STEPS_AFTER_WARMUP = (EPOCHS - WARMUP_EPOCHS) * STEPS_PER_EPOCH
-VARIANTS = ["single", "ddp", "smddp-like", "fsdp", "horovod", "horovod-keras", "mirrored", "mwms"]
 
 # Tolerances: the largest value after the warm-up against the warm-up's own (threads, descriptors:
 # the largest count in the warm-up epochs, as validation epochs sample lower; RSS: the value at the
@@ -63,9 +54,8 @@ SOAK_YAML = {
 }
 
 
-def soak_args(variant: str, root: Path) -> list[str]:
-    framework = "keras" if variant in KERAS_STRATEGIES else "torch"
-    n_train = STEPS_PER_EPOCH * BATCH * STRATEGY_REPLICAS[variant]  # STEPS_PER_EPOCH on every replica
+def soak_args(case: StrategyCase, root: Path) -> list[str]:
+    n_train = STEPS_PER_EPOCH * BATCH * case.replicas  # STEPS_PER_EPOCH on every replica
     sampler = {
         "class_path": "tests.probe.soak_monitor.ResourceSampler",
         "init_args": {
@@ -77,11 +67,11 @@ def soak_args(variant: str, root: Path) -> list[str]:
     return [
         "launch",
         "--nproc-per-node",
-        str(STRATEGY_PROCS[variant]),
+        str(case.nproc),
         "-c",
-        str(SOAK_YAML[framework]),
+        str(SOAK_YAML[case.framework]),
         "--trainer.strategy",
-        strategy_name(variant),
+        case.strategy,
         "--trainer.root_dir",
         str(root),
         "--trainer.max_epochs",
@@ -92,7 +82,7 @@ def soak_args(variant: str, root: Path) -> list[str]:
         str(n_train),
         "--trainer.callbacks",
         json.dumps([sampler]),
-        *STRATEGY_OPTIONS.get(variant, []),
+        *case.options,
     ]
 
 
@@ -136,11 +126,12 @@ def leaks(samples: list[dict], slack: dict[str, float]) -> tuple[dict, list[str]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_soak_threads_memory_and_files_stay_flat(variant, tmp_path):
+@pytest.mark.parametrize("case", strategy_params())
+def test_soak_threads_memory_and_files_stay_flat(case, tmp_path):
+    variant = case.id
     root = tmp_path / "run"
     started = time.time()
-    result = run_unifit(*soak_args(variant, root), timeout=280)  # kills every process it started, always
+    result = run_unifit(*soak_args(case, root), timeout=280)  # kills every process it started, always
     ended = time.time()
     files = sorted((root / "resources").glob("resources_*.json"))
     runs = [json.loads(f.read_text()) for f in files]
@@ -151,7 +142,7 @@ def test_soak_threads_memory_and_files_stay_flat(variant, tmp_path):
         grown = {name: (before.get(name, 0), n) for name, n in after.items() if n > before.get(name, 0)}
         pytest.fail(f"{variant}: {aborted[0]}\nthreads by name (fit start -> abort): {grown}")
     assert result.returncode == 0, f"exit {result.returncode}\nstderr:\n{result.stderr[-6000:]}"
-    assert [r["rank"] for r in runs] == list(range(STRATEGY_PROCS[variant])), files
+    assert [r["rank"] for r in runs] == list(range(case.nproc)), files
     slack = tolerances(variant)
     report, failures = [], []
     for run in runs:
