@@ -188,34 +188,10 @@ def assert_nothing_left(cluster: Cluster, root: Path, keep: tuple[int, ...] = ()
 # ---- ddp and smddp-like: torchrun on each host -------------------------------------------------------
 def torchrun_hosts(cluster: Cluster, nproc: int, form: str) -> dict[int, list[str]]:
     if form == "rdzv":
-        return {
-            h: [
-                "--nproc-per-node",
-                str(nproc),
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(h),
-                "--rdzv-endpoint",
-                f"{cluster.addresses[0]}:{PORT}",
-            ]
-            for h in (0, 1)
-        }
-    return {
-        h: [
-            "--nproc-per-node",
-            str(nproc),
-            "--nnodes",
-            "2",
-            "--node-rank",
-            str(h),
-            "--master-addr",
-            cluster.addresses[0],
-            "--master-port",
-            str(PORT),
-        ]
-        for h in (0, 1)
-    }
+        rendezvous = ["--rdzv-endpoint", f"{cluster.addresses[0]}:{PORT}"]
+    else:
+        rendezvous = ["--master-addr", cluster.addresses[0], "--master-port", str(PORT)]
+    return {h: ["--nproc-per-node", str(nproc), "--nnodes", "2", "--node-rank", str(h), *rendezvous] for h in (0, 1)}
 
 
 @pytest.mark.timeout(300)
