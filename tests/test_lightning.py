@@ -84,7 +84,7 @@ def test_resume_continues_exactly_with_the_modules_checkpoint_hooks(tmp_path):
     assert set(saved["engine"]["model"]) == set(full.state_dict())  # the module's own keys, as Lightning saves them
 
 
-def _bad(module, message: str, **kwargs) -> None:
+def _bad(module, message: str, trainer: dict | None = None, **kwargs) -> None:
     with pytest.raises(ConfigError) as caught:
         Trainer(
             strategy="single",
@@ -92,15 +92,16 @@ def _bad(module, message: str, **kwargs) -> None:
             batch_size=kwargs.pop("batch_size", 1),
             root_dir="/tmp/unused-unifit",
             **QUIET,
+            **(trainer or {}),
             checkpoint={"enabled": False},
         ).fit(module, **kwargs)
     text = str(caught.value)
     assert "\n" not in text and message in text, text
 
 
-class _AfterBackward(BoringModel):
-    def on_after_backward(self) -> None:
-        pass
+class _OwnBackward(BoringModel):
+    def backward(self, loss, *args, **kwargs) -> None:
+        loss.backward()
 
 
 class _MaxReduce(BoringModel):
@@ -122,10 +123,12 @@ class _SkipsBatches(BoringModel):
 
 @pytest.mark.timeout(120)
 def test_what_unifit_cannot_honour_is_refused_in_one_line():
-    _bad(ManualOptimBoringModel(), "automatic_optimization = False")  # Lightning's own demo
-    _bad(_AfterBackward(), "overrides on_after_backward")
+    # manual optimization trains (tests/test_zoo.py); what Lightning refuses with it is refused alike
+    _bad(ManualOptimBoringModel(), "accumulate in training_step", trainer={"accumulate_grad_batches": 2})
+    _bad(ManualOptimBoringModel(), "call self.clip_gradients(opt", trainer={"gradient_clip_val": 1.0})
+    _bad(_OwnBackward(), "overrides backward; unifit's precision and strategy own backward")
     _bad(_MaxReduce(), "reduce_fx='max'")
-    _bad(_LogsAtEpochEnd(), "self.log('late', ...) outside training_step/validation_step")
+    _bad(_LogsAtEpochEnd(), "self.log('late', ...) outside a step or a hook inside it")
     _bad(_SkipsBatches(), "training_step returned None")
     _bad(BoringModel(), "the DataLoader's batch_size is 1 but trainer.batch_size is 4", batch_size=4)
     _bad(Regressor, "received the class Regressor, not an instance")

@@ -1,7 +1,8 @@
 """The model zoo (tests/zoo/torch_models.py): Lightning's own demos (BoringModel, Transformer, LSTM with its
-batch sampler), Hugging Face GPT-2 and BERT, a ResNet-18 with BatchNorm, all as their authors wrote them
-(LightningModules, their own DataLoaders), trained by unifit under every torch strategy in several
-precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
+batch sampler, ManualOptimBoringModel), Hugging Face GPT-2 and BERT, a ResNet-18 with BatchNorm, all as their
+authors wrote them (LightningModules, their own DataLoaders), and modules that take part in their own step
+(a GAN in manual optimization with two optimizers, a classifier with every hook inside the optimizer step:
+tests/zoo/own_step_models.py), trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
 
 What must hold, model by model:
 - single process equals Lightning's own Trainer, bit for bit (32-true and bf16-mixed, accumulating 2);
@@ -27,7 +28,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 DRIVER = "tests/zoo/run_torch_zoo.py"
-MODELS = ("boring", "transformer", "lstm", "gpt2", "bert", "resnet")
+MODELS = ("boring", "transformer", "lstm", "gpt2", "bert", "resnet", "manual-boring", "gan", "hooks")
+MANUAL = {"manual-boring", "gan"}  # trained without accumulation everywhere (refused with manual optimization)
 BATCH_NORM = {"resnet"}  # running statistics follow each rank's batches: compared only between world-2 runs
 # losses of the first steps single vs ddp (roundoff grows with the steps: the demo Transformer's SGD at lr 0.1
 # multiplies a 1e-7 difference about 5x a step), and final weights where the training is not chaotic
@@ -120,6 +122,17 @@ def test_single_equals_lightnings_own_trainer(tmp_path_factory):
             assert "error" not in z.record(model, precision, "lightning"), z.record(model, precision, "lightning")
             diff = _max_diff(z.weights(model, precision), z.weights(model, precision, "lightning"))
             assert diff == 0.0, f"{model} {precision}: unifit's weights differ from Lightning's by {diff}"
+    # the hooks inside the optimizer step, accumulating 2: called in Lightning's order, as often
+    ours, theirs = z.record("hooks", "32-true")["calls"], z.record("hooks", "32-true", "lightning")["calls"]
+    assert ours == theirs and ours[:7] == [
+        "on_before_zero_grad",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_backward",
+        "on_after_backward",
+        "optimizer_step",
+        "on_before_optimizer_step",
+    ], ours[:12]
 
 
 @pytest.mark.timeout(900)
@@ -141,7 +154,8 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_pat
 def test_ddp_takes_the_steps_of_one_process_accumulating(tmp_path_factory):
     single, ddp = zoo("single", tmp_path_factory), zoo("ddp", tmp_path_factory)
     for model in MODELS:
-        if model in BATCH_NORM or model == "lstm":  # per-batch statistics / a hidden state carried per rank
+        # per-batch statistics / a hidden state carried per rank / single trained without accumulating
+        if model in BATCH_NORM or model == "lstm" or model in MANUAL:
             continue
         one = _step_losses(single.record(model, "32-true"), 2)
         two = [

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 import unifit  # noqa: E402
 from tests.zoo.recording import Crash, Recorder, SimulatedCrash, run_all  # noqa: E402
-from tests.zoo.torch_models import GPU_MODELS, MODELS  # noqa: E402
+from tests.zoo.torch_models import GPU_MODELS, MANUAL, MODELS  # noqa: E402
 
 EPOCHS = 2
 
@@ -63,7 +63,7 @@ def unifit_run(
     options: dict[str, Any] = dict(
         max_epochs=EPOCHS,
         precision=precision,
-        accumulate_grad_batches=args.accumulate,
+        accumulate_grad_batches=1 if name in MANUAL else args.accumulate,
         lr_scaling="none",
         root_dir=str(root),
         progress_bar=False,
@@ -93,6 +93,7 @@ def unifit_run(
         "digest": digest(state),
         "weights": state,
         "crashed": crashed,
+        "calls": getattr(module, "calls", None),  # the step hooks a module recorded (own_step_models.py)
     }
 
 
@@ -105,7 +106,7 @@ def lightning_run(name: str, precision: str, args: argparse.Namespace, models: d
         devices=1,
         max_epochs=EPOCHS,
         precision=precision,
-        accumulate_grad_batches=args.accumulate,
+        accumulate_grad_batches=1 if name in MANUAL else args.accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -115,7 +116,14 @@ def lightning_run(name: str, precision: str, args: argparse.Namespace, models: d
     trainer.fit(module, datamodule=data)
     state = full_state(module)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"losses": [], "epochs": [metrics], "digest": digest(state), "weights": state, "crashed": None}
+    return {
+        "losses": [],
+        "epochs": [metrics],
+        "digest": digest(state),
+        "weights": state,
+        "crashed": None,
+        "calls": getattr(module, "calls", None),
+    }
 
 
 def main() -> int:

@@ -8,6 +8,8 @@ Each entry builds (LightningModule, LightningDataModule) the way their users wri
   GPT-2 (tied embeddings, AdamW + get_linear_schedule_with_warmup stepped per step), a BERT sequence
   classifier, and a ResNet-18 (BatchNorm) on 32x32 images with SGD + OneCycleLR sized by
   trainer.estimated_stepping_batches, as Lightning's CIFAR-10 tutorial does;
+- LightningModules that take part in their own step (tests/zoo/own_step_models.py), and Lightning's own
+  ManualOptimBoringModel: manual optimization and the hooks inside the optimizer step;
 - on a GPU machine also torchvision's resnet18(num_classes=10) in that tutorial's module (CPU builds of
   torchvision are not on PyPI, and PyPI's CUDA build does not load beside the CPU torch pinned here).
 
@@ -22,10 +24,12 @@ from typing import Any, Callable
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel, ManualOptimBoringModel
 from lightning.pytorch.demos.lstm import LightningLSTM, SequenceSampler, SimpleLSTM
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from tests.zoo import own_step_models
 
 VOCAB = 64
 SEQ = 12
@@ -292,5 +296,8 @@ MODELS: dict[str, tuple[Callable[[int], tuple[Any, Any]], bool]] = {
     "gpt2": (lambda b: (GPT2LM(), TokensData(b)), False),
     "bert": (lambda b: (BertClassifier(), SentencesData(b)), False),
     "resnet": (lambda b: (ImageClassifier(), Images(b)), True),
+    "manual-boring": (lambda b: (ManualOptimBoringModel(), BoringDataModule()), False),
+    **own_step_models.MODELS,
 }
+MANUAL = {"manual-boring", *own_step_models.MANUAL}  # accumulate_grad_batches is refused with manual optimization
 GPU_MODELS = {**MODELS, "torchvision-resnet": (lambda b: (ImageClassifier("torchvision-resnet18"), Images(b)), True)}

@@ -155,6 +155,36 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         self._register_comm_hook(ddp)
         return ddp
 
+    def setup_manual(
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+    ) -> tuple[Any, list[Any]]:
+        """No DistributedDataParallel wrapper (its reducer expects one backward per forward over every
+        parameter; a GAN's toggled optimizers break that): rank 0's parameters and buffers are broadcast
+        once, and average_gradients averages each optimizer's gradients when it steps."""
+        self.precision = precision
+        if self._group_ready():
+            import torch.distributed as dist
+
+            for tensor in step_module.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        return step_module, optimizers
+
+    def average_gradients(self, optimizer: Any) -> None:
+        """One all-reduce per dtype over the optimizer's gradients, flattened (DDP's buckets, in one)."""
+        if not self._group_ready():
+            return
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for dtype in sorted({g.dtype for g in grads}, key=str):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = _flatten_dense_tensors(same)
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
+                grad.copy_(averaged)
+
     def _register_comm_hook(self, ddp: Any) -> None:
         """Strategies built on ddp (smddp-like) replace the gradient allreduce here."""
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from unifit.errors import CheckpointNotFoundError, ConfigError, first_line
 from unifit.strategies import sharded_state
 from unifit.strategies.ddp import DDPStrategy
+from unifit.strategies.torch_training import each_optimizer
 
 log = logging.getLogger("unifit")
 
@@ -108,25 +109,29 @@ class FSDPStrategy(DDPStrategy):
     def setup_module_and_optimizer(
         self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
     ) -> tuple[Any, Any]:
-        if precision.name == "16-mixed":
-            raise ConfigError(
-                "trainer.precision: received '16-mixed', which fsdp does not support (float16 loss "
-                "scaling over sharded gradients); use 'bf16-mixed' or '32-true'"
-            )
+        _refuse_float16(precision)
         before = {id(p): name for name, p in step_module.named_parameters()}
         wrapped, optimizer = super().setup_module_and_optimizer(step_module, optimizer, device, precision, accumulate)
-        if wrapped is not step_module or not self._group_ready():
-            return wrapped, optimizer
-        sharded = dict(step_module.named_parameters())
-        for group in optimizer.param_groups:  # the optimizer was built on the unsharded parameters
-            try:
-                group["params"][:] = [sharded[before[id(p)]] for p in group["params"]]
-            except KeyError:
-                raise ConfigError(
-                    "configure_optimizers(): the optimizer holds a tensor that is not a parameter of "
-                    "the module; fsdp shards only the module's parameters"
-                ) from None
+        if wrapped is step_module and self._group_ready():
+            _follow_shards(optimizer, before, step_module)
         return wrapped, optimizer
+
+    def setup_manual(
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+    ) -> tuple[Any, list[Any]]:
+        """Sharded as for automatic optimization: backward reduce-scatters every gradient, so an
+        optimizer's step has its averaged shard already (average_gradients has nothing to do)."""
+        _refuse_float16(precision)
+        self.precision = precision
+        before = {id(p): name for name, p in step_module.named_parameters()}
+        wrapped = self.wrap_module(step_module, device)
+        if self._group_ready():
+            for optimizer in optimizers:
+                _follow_shards(optimizer, before, step_module)
+        return wrapped, optimizers
+
+    def average_gradients(self, optimizer: Any) -> None:
+        """Nothing to do: backward reduce-scattered each gradient into its averaged shard."""
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         opts = self.options
@@ -235,7 +240,7 @@ class FSDPStrategy(DDPStrategy):
         owner = sharded_state.state_module(module)
         model = get_model_state_dict(owner)
         self._rank_zero_replicas(model)
-        return {"model": model, "optimizer": get_optimizer_state_dict(owner, optimizer)}
+        return {"model": model, "optimizer": each_optimizer(optimizer, lambda o: get_optimizer_state_dict(owner, o))}
 
     def _rank_zero_replicas(self, model: dict[str, Any]) -> None:
         """What FSDP does not shard (buffers: BatchNorm's running statistics) each rank kept from its own
@@ -276,12 +281,17 @@ class FSDPStrategy(DDPStrategy):
         if sharded_state.SHARDS not in state:  # a whole checkpoint (single, ddp, horovod): each rank keeps its part
             whole = StateDictOptions(full_state_dict=True)
             set_model_state_dict(owner, state["model"], options=whole)
-            set_optimizer_state_dict(
-                owner, optimizer, sharded_state.by_name(state["optimizer"], optimizer, module), options=whole
+            each_optimizer(
+                optimizer,
+                lambda o, s: set_optimizer_state_dict(owner, o, sharded_state.by_name(s, o, module), options=whole),
+                state["optimizer"],
             )
             return
         url = state[sharded_state.SHARDS]
-        mine = {"model": get_model_state_dict(owner), "optimizer": get_optimizer_state_dict(owner, optimizer)}
+        mine = {
+            "model": get_model_state_dict(owner),
+            "optimizer": each_optimizer(optimizer, lambda o: get_optimizer_state_dict(owner, o)),
+        }
         try:  # any world size: DCP reads the parts of every saved shard this rank's shards cover
             sharded_state.load_into(mine, url, storage_options, self._checkpoint_group)
         except Exception as exc:
@@ -291,7 +301,7 @@ class FSDPStrategy(DDPStrategy):
                 "read (a shared disk or s3://)"
             ) from None
         set_model_state_dict(owner, mine["model"])
-        set_optimizer_state_dict(owner, optimizer, mine["optimizer"])
+        each_optimizer(optimizer, lambda o, s: set_optimizer_state_dict(owner, o, s), mine["optimizer"])
 
     def full_model_state(self, module: Any) -> dict[str, Any]:
         if not _is_sharded(module):
@@ -301,6 +311,27 @@ class FSDPStrategy(DDPStrategy):
         return get_model_state_dict(
             sharded_state.state_module(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+
+
+def _refuse_float16(precision: Any) -> None:
+    if precision.name == "16-mixed":
+        raise ConfigError(
+            "trainer.precision: received '16-mixed', which fsdp does not support (float16 loss "
+            "scaling over sharded gradients); use 'bf16-mixed' or '32-true'"
+        )
+
+
+def _follow_shards(optimizer: Any, before: dict[int, str], step_module: Any) -> None:
+    """The optimizer was built on the unsharded parameters (`before`: id -> name): it takes the shards."""
+    sharded = dict(step_module.named_parameters())
+    for group in optimizer.param_groups:
+        try:
+            group["params"][:] = [sharded[before[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ConfigError(
+                "configure_optimizers(): the optimizer holds a tensor that is not a parameter of "
+                "the module; fsdp shards only the module's parameters"
+            ) from None
 
 
 class _ViewOutputs:

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
-from typing import Any, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 from unifit.strategies import sharded_state
 
 _PLAIN = contextlib.nullcontext()
+
+
+def each_optimizer(optimizer: Any, fn: Callable[..., Any], *states: Any) -> Any:
+    """`fn(optimizer, *states)`, or one call per optimizer where a module steps several (manual
+    optimization: `optimizer` and each state are lists, in configure_optimizers' order)."""
+    if isinstance(optimizer, (list, tuple)):
+        return [fn(o, *(s[i] for s in states)) for i, o in enumerate(optimizer)]
+    return fn(optimizer, *states)
 
 
 class TorchTraining:
@@ -31,6 +39,10 @@ class TorchTraining:
     # a sharded model gathers its parameters in its root wrapper's forward: every step (validation
     # too) must go through it, not straight to the module's method
     routes_all_steps = False
+    # set by the engine when the module has hooks between backward and the step (Lightning's
+    # on_before_optimizer_step, configure_gradient_clipping): called with the optimizer once its
+    # gradients are averaged and unscaled, in place of clipping by clip_val
+    gradient_hooks: Callable[[Any], None] | None = None
 
     def setup_module_and_optimizer(
         self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
@@ -71,16 +83,44 @@ class TorchTraining:
         """Average gradients, clip the true (unscaled) ones, step through the precision, zero grads."""
         precision = self.precision
         with self.synchronized_gradients(optimizer):
-            if clip_val is not None:
+            if self.gradient_hooks is not None:
+                precision.unscale(optimizer)
+                self.gradient_hooks(optimizer)
+            elif clip_val is not None:
                 precision.unscale(optimizer)
                 self.clip_gradients(module.parameters(), clip_val)
             precision.step(optimizer)
         optimizer.zero_grad()  # set_to_none (torch >= 2 default); wrappers like Horovod take no argument
 
+    # ---- manual optimization ---------------------------------------------------------------
+    # The module's training_step calls backward and steps its optimizers itself (Lightning's
+    # automatic_optimization = False: GANs, several optimizers, accumulation by hand), in any order
+    # and any number of times per batch; so gradients are averaged when an optimizer steps, over that
+    # optimizer's parameters only (as Horovod's DistributedOptimizer does), not during backward.
+    def setup_manual(
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+    ) -> tuple[Any, list[Any]]:
+        """(module to call for a step, optimizers to step) for manual optimization: every rank starts
+        from rank 0's state; nothing averages gradients in backward."""
+        self.precision = precision
+        return step_module, optimizers
+
+    def average_gradients(self, optimizer: Any) -> None:
+        """Average the gradients of `optimizer`'s parameters over the ranks (manual optimization;
+        one process: nothing to do)."""
+
+    def manual_step(self, optimizer: Any, before_step: Callable[[Any], None]) -> None:
+        """One optimizer's step in manual optimization: gradients averaged, unscaled, then
+        `before_step(optimizer)` (the module's hooks), then the step through the precision."""
+        self.average_gradients(optimizer)
+        self.precision.unscale(optimizer)
+        before_step(optimizer)
+        self.precision.step(optimizer)
+
     # ---- state IO ------------------------------------------------------------------------
     def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
         """The model's and optimizer's state for a checkpoint (this rank's shards, where sharded)."""
-        return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
+        return {"model": module.state_dict(), "optimizer": each_optimizer(optimizer, lambda o: o.state_dict())}
 
     def start_sharded_write(
         self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
@@ -99,11 +139,13 @@ class TorchTraining:
             whole = sharded_state.read_whole(state[sharded_state.SHARDS], storage_options)
             module.load_state_dict(whole["model"])
             if optimizer is not None:
-                optimizer.load_state_dict(sharded_state.by_index(whole["optimizer"], optimizer, module))
+                each_optimizer(
+                    optimizer, lambda o, s: o.load_state_dict(sharded_state.by_index(s, o, module)), whole["optimizer"]
+                )
             return
         module.load_state_dict(state["model"])
         if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            each_optimizer(optimizer, lambda o, s: o.load_state_dict(s), state["optimizer"])
 
     def full_model_state(self, module: Any) -> dict[str, Any]:
         """The whole model's weights, on rank 0 (called on every rank: gathering shards is collective)."""

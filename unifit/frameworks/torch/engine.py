@@ -22,6 +22,7 @@ from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import Precision, make_precision
+from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _loss_of
 from unifit.strategies import sharded_state
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
@@ -30,7 +31,7 @@ log = logging.getLogger("unifit")
 
 # param-group keys and scheduler attributes that hold learning rates, scaled together
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
-_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs")
+_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "base_values")  # base_values: timm's schedulers
 
 
 class _StepModule(torch.nn.Module):
@@ -53,9 +54,13 @@ class TorchEngine(TorchEvaluation, Engine):
     train_loader: Any
     val_loader: Any
     wrapped: Any  # the module to call for a step, wrapped by the strategy (DDP, FSDP)
-    optimizer: Any
-    schedule: Any  # the parsed configure_optimizers() schedule, or None
+    optimizer: Any  # automatic optimization's one optimizer (manual: the first)
+    optimizers: list[Any]  # every optimizer configure_optimizers() returned, wrapped by the strategy
+    schedule: Any  # the parsed configure_optimizers() schedule, or None (manual: the module steps its own)
+    schedules: list[Any]
     scheduler: Any
+    seams: StepSeams  # the step opened to the module (self.optimizers(), manual optimization, step hooks)
+    _seamed: bool  # the module takes part in the step: it runs through the seams
     policy: LRPolicy
     accumulate: int
     _move: bool  # batches go to a device other than the CPU
@@ -66,6 +71,7 @@ class TorchEngine(TorchEvaluation, Engine):
     _validate: Any
     _plain: bool  # the strategy's default step in full precision: the fast path
     _steps: int  # optimizer steps taken
+    _epoch: int  # the epoch being trained (the step hooks' argument)
     _epochs_done: int
 
     def setup(self) -> None:
@@ -141,21 +147,40 @@ class TorchEngine(TorchEvaluation, Engine):
             )
 
         self.accumulate = cfg.accumulate_grad_batches
+        manual = not getattr(self.module, "automatic_optimization", True)
+        if manual:
+            _check_manual(cfg, type(self.module).__name__)
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
         self.module.stepping_batches = steps_per_epoch * cfg.max_epochs  # known before configure_optimizers
-        self.optimizer, self.schedule = parse_optimizers(_configure_optimizers(self.module), type(self.module).__name__)
-        self.scheduler = self.schedule.scheduler if self.schedule is not None else None
+        hooks = self.module.step_hooks()
+        self.optimizers, self.schedules = parse_optimizers(
+            _configure_optimizers(self.module), type(self.module).__name__, manual, "lr_scheduler_step" in hooks
+        )
         self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
-        _scale_lrs(self.optimizer, self.scheduler, self.policy.factor)
+        for optimizer in self.optimizers:
+            _scale_lrs(optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor)
         self._steps = 0
         training = self.training
         step_module = _StepModule(self.module)
-        self.wrapped, optimizer = training.setup_module_and_optimizer(
-            step_module, self.optimizer, self.device, self.precision, self.accumulate
-        )
-        if optimizer is not self.optimizer and self.scheduler is not None:
-            self.scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
-        self.optimizer = optimizer
+        if manual:
+            self.wrapped, self.optimizers = training.setup_manual(
+                step_module, self.optimizers, self.device, self.precision
+            )
+        else:
+            self.wrapped, optimizer = training.setup_module_and_optimizer(
+                step_module, self.optimizers[0], self.device, self.precision, self.accumulate
+            )
+            if optimizer is not self.optimizers[0] and self.schedules:
+                self.schedules[
+                    0
+                ].scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
+            self.optimizers = [optimizer]
+        self.optimizer = self.optimizers[0]
+        self.schedule = None if manual or not self.schedules else self.schedules[0]
+        self.scheduler = self.schedule.scheduler if self.schedule is not None else None
+        self.seams = StepSeams(self, manual, hooked=bool(hooks & set(STEP_HOOKS)))
+        self._seamed = manual or self.seams.hooked  # the step runs through the seams, with the module's parts
+        self.module.bind_steps(self.seams)
         # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
         unwrapped = type(self.wrapped) is _StepModule
         self._forward = self.module.training_step if unwrapped else self.wrapped
@@ -169,7 +194,8 @@ class TorchEngine(TorchEvaluation, Engine):
         # what TorchTraining's default step amounts to in full precision without accumulation or
         # clipping: loss.backward(), optimizer.step(), zero_grad(), called without its layers
         self._plain = (
-            type(self.precision) is Precision
+            not self._seamed
+            and type(self.precision) is Precision
             and self.accumulate == 1
             and cfg.gradient_clip_val is None
             and all(
@@ -208,6 +234,11 @@ class TorchEngine(TorchEvaluation, Engine):
             else cfg.adopting_batch_size(size, "the training DataLoader")
         )
 
+    def close(self) -> None:
+        super().close()
+        self.module.bind_steps(None)
+        self.training.gradient_hooks = None
+
     # ---- facts ------------------------------------------------------------------------
     @property
     def batches_per_epoch(self) -> int:
@@ -228,6 +259,7 @@ class TorchEngine(TorchEvaluation, Engine):
     # ---- training -----------------------------------------------------------------------
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         self.module.train()
+        self._epoch = epoch
         if self._stream:  # a stream skips whole batches; a sampler skips sample indices
             self.train_loader.dataset.set_epoch(epoch, skip)
         else:
@@ -250,6 +282,8 @@ class TorchEngine(TorchEvaluation, Engine):
             loss = _loss_of(self._forward(batch, batch_idx))
             loss.backward()
             self._optimizer_step()
+        elif self._seamed:  # manual optimization, or the module's hooks inside the step
+            loss = self.seams.train_step(batch, batch_idx, self._epoch)
         elif accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches:
             loss = self._forward_backward(batch, batch_idx)
             self._optimizer_step()
@@ -290,7 +324,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self._steps = step + 1
         schedule = self.schedule
         if schedule is not None and schedule.interval == "step" and self._steps % schedule.frequency == 0:
-            schedule.scheduler.step()
+            self.module.lr_scheduler_step(schedule.scheduler, None)
 
     def end_of_epoch(self) -> None:
         self._epochs_done += 1
@@ -301,7 +335,7 @@ class TorchEngine(TorchEvaluation, Engine):
             and not schedule.monitor
             and self._epochs_done % schedule.frequency == 0
         ):
-            schedule.scheduler.step()
+            self.module.lr_scheduler_step(schedule.scheduler, None)
 
     def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
         """A monitored scheduler (ReduceLROnPlateau) steps on the epoch's reduced metrics, identical
@@ -310,7 +344,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if schedule is None or not schedule.monitor or self._epochs_done % schedule.frequency:
             return
         if schedule.monitor in metrics:
-            schedule.scheduler.step(metrics[schedule.monitor])
+            self.module.lr_scheduler_step(schedule.scheduler, metrics[schedule.monitor])
         elif validated or not self.has_validation:
             raise ConfigError(
                 f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
@@ -362,8 +396,9 @@ class TorchEngine(TorchEvaluation, Engine):
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            **self.training.training_state(self.module, self.optimizer),  # model and optimizer (shards, where sharded)
+            **self.training.training_state(self.module, self._optimizer_state_target()),  # (shards, where sharded)
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            **self._manual_state(),
             "optimizer_steps": self._steps,
             "epochs_done": self._epochs_done,
             "precision": self.precision.state_dict(),
@@ -371,21 +406,41 @@ class TorchEngine(TorchEvaluation, Engine):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.training.load_training_state(self.module, self.optimizer, state, self.config.storage_options)
+        self.training.load_training_state(
+            self.module, self._optimizer_state_target(), state, self.config.storage_options
+        )
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self._is_manual():
+            for spec, saved in zip(self.schedules, state.get("schedulers", [])):
+                spec.scheduler.load_state_dict(saved)
+            self.seams.steps_taken = list(state.get("steps_taken", self.seams.steps_taken))
         self._steps = int(state["optimizer_steps"])
         self._epochs_done = int(state.get("epochs_done", 0))
         self.precision.load_state_dict(state.get("precision", {}))
         saved_factor = state.get("lr_factor", self.policy.factor)
         if saved_factor != self.policy.factor:  # resumed on another world size: the lrs follow its scaling
-            _scale_lrs(self.optimizer, self.scheduler, self.policy.factor / saved_factor)
+            for optimizer in self.optimizers:
+                schedulers = [s.scheduler for s in self.schedules if _schedules(s, optimizer)]
+                _scale_lrs(optimizer, schedulers, self.policy.factor / saved_factor)
             log.info(
                 "resume: learning rates rescaled x%g (lr scaling %g when saved, %g now)",
                 self.policy.factor / saved_factor,
                 saved_factor,
                 self.policy.factor,
             )
+
+    def _is_manual(self) -> bool:
+        return self.seams.manual
+
+    def _optimizer_state_target(self) -> Any:
+        """What the checkpoint's optimizer state is of: the optimizer, or (manual) the list of them."""
+        return list(self.optimizers) if self._is_manual() else self.optimizer
+
+    def _manual_state(self) -> dict[str, Any]:
+        if not self._is_manual():
+            return {}
+        return {"schedulers": [s.scheduler.state_dict() for s in self.schedules], "steps_taken": self.seams.steps_taken}
 
     def rng_state(self) -> dict[str, Any]:
         return {
@@ -455,27 +510,38 @@ def _configure_optimizers(module: torch.nn.Module) -> Any:
         ) from None
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
-    raise ConfigError(
-        f"training_step returned {type(output).__name__}; return the loss tensor or a dict with key 'loss'"
-    )
+def _check_manual(cfg: Any, name: str) -> None:
+    """What Lightning's Trainer refuses with manual optimization, refused alike (the module decides both)."""
+    if cfg.accumulate_grad_batches != 1:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches: received {cfg.accumulate_grad_batches}, but {name} sets "
+            "automatic_optimization = False: accumulate in training_step (step the optimizer every N batches) "
+            "and set accumulate_grad_batches: 1"
+        )
+    if cfg.gradient_clip_val is not None:
+        raise ConfigError(
+            f"trainer.gradient_clip_val: received {cfg.gradient_clip_val}, but {name} sets "
+            "automatic_optimization = False: call self.clip_gradients(opt, gradient_clip_val=..., "
+            "gradient_clip_algorithm='norm') in training_step, and remove gradient_clip_val"
+        )
 
 
-def _scale_lrs(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
-    """Turn the module's base lrs into scaled ones, in the optimizer and its scheduler alike."""
+def _schedules(spec: Any, optimizer: Any) -> bool:
+    return getattr(spec.scheduler, "optimizer", optimizer) is optimizer
+
+
+def _scale_lrs(optimizer: torch.optim.Optimizer, schedulers: list[Any], factor: float) -> None:
+    """Turn the module's base lrs into scaled ones, in the optimizer and its schedulers alike."""
     if factor == 1.0:
         return
     for group in optimizer.param_groups:
         for key in _LR_GROUP_KEYS:
             if isinstance(group.get(key), (int, float)):
                 group[key] *= factor
-    for attr in _LR_SCHEDULER_ATTRS:
-        values = getattr(scheduler, attr, None)
-        if isinstance(values, list):
-            setattr(scheduler, attr, [v * factor for v in values])
-    if scheduler is not None and hasattr(scheduler, "_last_lr"):
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    for scheduler in schedulers:
+        for attr in _LR_SCHEDULER_ATTRS:
+            values = getattr(scheduler, attr, None)
+            if isinstance(values, list):
+                setattr(scheduler, attr, [v * factor for v in values])
+        if hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -4,10 +4,11 @@
 data loaders and own hooks. The module sees a small stand-in for Lightning's Trainer
 (`self.trainer.current_epoch`, `global_step`, `world_size`, ...), and `self.log` / `log_dict` write
 into unifit's metrics, which are exact sample-weighted means over all ranks (so `sync_dist` is
-always honoured). What unifit cannot honour exactly is refused at set-up in one line rather than
-ignored: manual optimization, hooks inside the optimizer step (`on_after_backward`,
-`optimizer_step`, ...), several validation loaders, reductions other than the mean, and logging
-outside a step. docs/lightning.md lists what is covered.
+always honoured). Manual optimization and the hooks inside the optimizer step run through unifit's
+step seams (frameworks/torch/step_seams.py): `self.trainer.strategy` and `precision_plugin` are small
+stand-ins that route Lightning's own `manual_backward`, `LightningOptimizer.step` and `clip_gradients`
+there. What unifit cannot honour exactly is refused at set-up in one line rather than ignored
+(docs/lightning.md lists what is covered and what is refused).
 """
 
 from __future__ import annotations
@@ -18,23 +19,12 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.module import TrainModule
+from unifit.frameworks.torch.step_seams import STEP_HOOKS
 from unifit.strategies import environment
 
-# hooks Lightning calls inside its optimizer step; unifit's Strategy owns that step (backward,
-# gradient sync, unscale, clipping), so a module overriding one of them is refused, not half-run
-_STEP_HOOKS = (
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "on_before_zero_grad",
-    "optimizer_step",
-    "optimizer_zero_grad",
-    "backward",
-    "configure_gradient_clipping",
-    "lr_scheduler_step",
-    "manual_backward",
-    "configure_sharded_model",
-)
+# overrides refused: `backward` would have to receive the precision's scaled loss and skip fsdp's
+# check of modified views; configure_sharded_model is Lightning 1.x's (configure_model replaced it)
+_REFUSED_HOOKS = ("backward", "manual_backward", "configure_sharded_model")
 # the Trainer attributes a LightningModule may read through self.trainer
 _TRAINER_FACTS = (
     "current_epoch",
@@ -52,6 +42,12 @@ _TRAINER_FACTS = (
     "num_devices",
     "should_stop",
     "estimated_stepping_batches",
+    "optimizers",
+    "lr_scheduler_configs",
+    "strategy",
+    "precision_plugin",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
 )
 # Trainer.validate/test/predict -> the word in Lightning's hook names
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
@@ -86,6 +82,10 @@ class TrainerView:
 
     def __init__(self, max_epochs: int | None = None) -> None:
         self.ctx: Any = None  # unifit's FitContext, once the fit has set up
+        self.seams: Any = None  # the running engine's StepSeams, while fit trains
+        self.strategy = _StrategyView(self)
+        self.precision_plugin = _PrecisionView(self)
+        self.gradient_clip_algorithm = None
         self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts
         self.max_epochs = max_epochs
         self.training = True
@@ -144,11 +144,70 @@ class TrainerView:
 
     logged_metrics = callback_metrics
 
+    @property
+    def optimizers(self) -> list[Any]:
+        return list(self._seams().engine.optimizers)
+
+    @property
+    def lr_scheduler_configs(self) -> list[Any]:
+        return list(self._seams().engine.schedules)  # each has .scheduler, as Lightning's LRSchedulerConfig
+
+    @property
+    def gradient_clip_val(self) -> float | None:
+        return self._seams().engine.config.gradient_clip_val
+
+    def _seams(self) -> Any:
+        if self.seams is None:
+            raise ConfigError("self.trainer.optimizers: the optimizers exist only while fit() trains")
+        return self.seams
+
     def __getattr__(self, name: str) -> Any:
         raise ConfigError(
             f"self.trainer.{name}: unifit runs this LightningModule without a Lightning Trainer; "
             f"it offers {', '.join(_TRAINER_FACTS)} (see docs/lightning.md)"
         )
+
+
+class _StrategyView:
+    """`self.trainer.strategy`: what Lightning's own module code calls on it (manual_backward,
+    LightningOptimizer.step, self.optimizers()), routed to unifit's step seams."""
+
+    def __init__(self, view: TrainerView) -> None:
+        self._view = view
+        self._wrapped: list[Any] = []  # LightningOptimizers, made once per fit
+
+    @property
+    def _lightning_optimizers(self) -> list[Any]:
+        optimizers = self._view.optimizers
+        if [w.optimizer for w in self._wrapped] != optimizers:
+            from lightning.pytorch.core.optimizer import LightningOptimizer
+
+            self._wrapped = [LightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
+        return self._wrapped
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        self._view._seams().backward(closure_loss, *args, **kwargs)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return self._view._seams().step(getattr(optimizer, "optimizer", optimizer), closure)
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(
+            f"self.trainer.strategy.{name}: unifit runs this LightningModule without a Lightning Trainer; "
+            "its strategy stand-in offers backward and optimizer_step (manual optimization)"
+        )
+
+
+class _PrecisionView:
+    """`self.trainer.precision_plugin`: Lightning's clip_gradients ends here, in unifit's clipping of the
+    true gradients (unscaled, averaged over ranks, by the global norm over every shard)."""
+
+    def __init__(self, view: TrainerView) -> None:
+        self._view = view
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        self._view._seams().clip(getattr(optimizer, "optimizer", optimizer), clip_val, gradient_clip_algorithm)
 
 
 class LightningAdapter(TrainModule):
@@ -157,17 +216,12 @@ class LightningAdapter(TrainModule):
     def __init__(self, lightning_module: Any, datamodule: Any = None) -> None:
         super().__init__()
         name = type(lightning_module).__name__
-        if not lightning_module.automatic_optimization:
-            raise ConfigError(
-                f"module: {name} sets automatic_optimization = False (manual optimization); unifit "
-                "runs the optimizer step itself: return the loss from training_step instead"
-            )
-        overridden = [hook for hook in _STEP_HOOKS if _overrides(lightning_module, hook)]
+        overridden = [hook for hook in _REFUSED_HOOKS if _overrides(lightning_module, hook)]
         if overridden:
             raise ConfigError(
-                f"module: {name} overrides {', '.join(overridden)}, which run inside Lightning's "
-                "optimizer step; unifit's strategy owns that step (use trainer.gradient_clip_val for "
-                "clipping, a unifit Callback for the rest) — remove them to train it with unifit"
+                f"module: {name} overrides {', '.join(overridden)}; unifit's precision and strategy own "
+                "backward (loss scaling, sharded gradients): move the code to on_before_backward / "
+                "on_after_backward, which unifit calls around it"
             )
         self.lightning = lightning_module
         self.datamodule = datamodule
@@ -210,10 +264,49 @@ class LightningAdapter(TrainModule):
                 part.setup(self.stage)
         self.lightning.configure_model()
 
+    # ---- inside the optimizer step: the LightningModule's own hooks -----------------------------
+    @property
+    def automatic_optimization(self) -> bool:  # type: ignore[override]
+        return bool(self.lightning.automatic_optimization)
+
+    def step_hooks(self) -> set[str]:
+        return {h for h in (*STEP_HOOKS, "lr_scheduler_step") if _overrides(self.lightning, h)}
+
+    def bind_steps(self, seams: Any) -> None:
+        super().bind_steps(seams)
+        self.view.seams = seams
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        self._call_step(self.lightning.on_before_zero_grad, optimizer)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        self.lightning.optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._call_step(self.lightning.on_before_backward, loss)
+
+    def on_after_backward(self) -> None:
+        self._call_step(self.lightning.on_after_backward)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self._call_step(self.lightning.on_before_optimizer_step, optimizer)
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        self.lightning.configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        lightning_optimizer = self.view.strategy._lightning_optimizers[0]  # automatic optimization: one optimizer
+        self.lightning.optimizer_step(epoch, batch_idx, lightning_optimizer, optimizer_closure)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        self.lightning.lr_scheduler_step(scheduler, metric)
+
     # ---- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         out = self._call_step(self.lightning.training_step, batch, batch_idx)
-        if out is None:
+        if out is None and self.lightning.automatic_optimization:
             raise ConfigError(
                 f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
                 "rank must take every step under distributed training: return the loss"
@@ -248,12 +341,13 @@ class LightningAdapter(TrainModule):
             if part is not None:
                 part.teardown(stage)
 
-    def _call_step(self, step: Any, batch: Any, batch_idx: int) -> Any:
-        self._in_step = True
+    def _call_step(self, step: Any, *args: Any) -> Any:
+        """A step, or a hook inside the step: where self.log is allowed (its values count for this batch)."""
+        outer, self._in_step = self._in_step, True  # hooks run inside training_step (manual_backward)
         try:
-            return step(batch, batch_idx)
+            return step(*args)
         finally:
-            self._in_step = False
+            self._in_step = outer
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         lm = self.lightning
@@ -331,8 +425,9 @@ class LightningAdapter(TrainModule):
             )
         if not self._in_step:
             raise ConfigError(
-                f"{where} outside training_step/validation_step: unifit reduces metrics when the "
-                "loop ends; log inside a step (the epoch mean over all ranks is computed for you)"
+                f"{where} outside a step or a hook inside it (on_before_backward, on_after_backward, "
+                "on_before_optimizer_step, on_before_zero_grad): unifit reduces metrics when the loop ends; "
+                "log inside a step (the epoch mean over all ranks is computed for you)"
             )
         self.log(name, value, batch_size=batch_size)
 

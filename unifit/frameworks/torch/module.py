@@ -9,6 +9,7 @@ import torch
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
 from unifit.frameworks.torch.stateful import TorchmetricValue, is_torchmetric
+from unifit.frameworks.torch.step_seams import STEP_HOOKS
 
 
 class TrainModule(ModuleBase, torch.nn.Module):
@@ -23,10 +24,15 @@ class TrainModule(ModuleBase, torch.nn.Module):
       once per epoch, or {"optimizer": o, "lr_scheduler": s, "interval": "epoch" | "step"}
     - train_dataset() / val_dataset() / test_dataset() / predict_dataset() -> torch Dataset, tuple of
       arrays or DataLoader (sharded for you)
+    - optional, with Lightning's names and order: the hooks inside the optimizer step below, and manual
+      optimization (`automatic_optimization = False`: training_step calls self.optimizers(),
+      self.manual_backward(loss), opt.step(), opt.zero_grad(), self.clip_gradients(opt, ...))
     """
 
     framework = "torch"
     engine = "unifit.frameworks.torch.engine:TorchEngine"
+    automatic_optimization = True
+    _unifit_steps: Any = None  # the running engine's StepSeams (frameworks/torch/step_seams.py)
 
     def __init__(self) -> None:
         torch.nn.Module.__init__(self)
@@ -56,7 +62,70 @@ class TrainModule(ModuleBase, torch.nn.Module):
     def configure_optimizers(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
 
+    # ---- inside the optimizer step: Lightning's hooks, called in Lightning's order ------------------
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        """Before gradients are zeroed (on the first micro-batch of each accumulation window)."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad()
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """Before backward of the loss (as training_step returned it)."""
+
+    def on_after_backward(self) -> None:
+        """After backward: this rank's gradients (averaged over ranks only once the optimizer steps)."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Gradients averaged over every rank and unscaled (16-mixed), before clipping and the step."""
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clips by trainer.gradient_clip_val by default; override to clip your way (self.clip_gradients)."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """The step; `optimizer_closure` runs forward and backward. Override it to act around the step."""
+        optimizer.step(closure=optimizer_closure)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Step a scheduler; override for schedulers of other libraries (timm's step(epoch))."""
+        scheduler.step() if metric is None else scheduler.step(metric)
+
+    # ---- what the engine offers a step (manual optimization, clipping) -----------------------------
+    def optimizers(self) -> Any:
+        """The optimizers configure_optimizers returned (one, or a list), to step in manual optimization."""
+        return self._steps().optimizers()
+
+    def lr_schedulers(self) -> Any:
+        return self._steps().lr_schedulers()
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward through the strategy and precision (loss scaling under 16-mixed)."""
+        self._steps().backward(loss, *args, **kwargs)
+
+    def clip_gradients(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clip the optimizer's true (unscaled) gradients: by their global norm over every shard, or by value."""
+        self._steps().clip(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def step_hooks(self) -> set[str]:
+        """The hooks inside the step (and lr_scheduler_step) this module overrides."""
+        return {h for h in (*STEP_HOOKS, "lr_scheduler_step") if getattr(type(self), h) is not getattr(TrainModule, h)}
+
+    def bind_steps(self, seams: Any) -> None:
+        """The running engine's StepSeams (None after the fit)."""
+        self._unifit_steps = seams
+
+    def _steps(self) -> Any:
+        if self._unifit_steps is None:
+            raise ConfigError(f"{type(self).__name__}: optimizers and backward are offered only while fit() trains")
+        return self._unifit_steps
+
     def _detach(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
+            if hasattr(value, "full_tensor"):  # a DTensor (computed from fsdp's sharded parameters): its whole value
+                value = value.full_tensor()
             return value.detach()
         return TorchmetricValue(value) if is_torchmetric(value) else value

@@ -1,11 +1,12 @@
 """What `configure_optimizers()` may return, checked at set-up (before the first step).
 
-Accepted, as Lightning documents them, with exactly one optimizer:
+Accepted, as Lightning documents them:
     optimizer | [optimizer] | (optimizer, scheduler) | ([optimizer], [scheduler])
     {"optimizer": o, "lr_scheduler": scheduler | {"scheduler": s, "interval", "frequency", "monitor"},
      "monitor": ..., "interval": ...}
-Several optimizers (GANs, manual optimization) are refused in one line rather than guessed at: a
-second optimizer read as a scheduler trains silently wrong.
+Automatic optimization steps exactly one optimizer (as in Lightning 2.x); several optimizers (GANs,
+actor-critic) are for manual optimization, where the module steps them and its schedulers itself.
+A scheduler that is not torch's (timm's) is accepted when the module steps it in lr_scheduler_step.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class SchedulerSpec:
     monitor: str | None = None
 
 
-def parse_optimizers(result: Any, module_name: str) -> tuple[torch.optim.Optimizer, SchedulerSpec | None]:
+def parse_optimizers(
+    result: Any, module_name: str, manual: bool = False, own_scheduler_step: bool = False
+) -> tuple[list[torch.optim.Optimizer], list[SchedulerSpec]]:
+    """(optimizers, schedules): one optimizer and at most one schedule unless `manual`."""
     where = f"{module_name}.configure_optimizers()"
     top_monitor, top_interval = None, None
     if isinstance(result, (tuple, list)) and len(result) == 1 and isinstance(result[0], dict):
@@ -49,42 +53,44 @@ def parse_optimizers(result: Any, module_name: str) -> tuple[torch.optim.Optimiz
         schedulers = [result["lr_scheduler"]] if result.get("lr_scheduler") is not None else []
         top_monitor, top_interval = result.get("monitor"), result.get("interval")
     elif isinstance(result, (tuple, list)):
-        optimizers, schedulers = _split_sequence(list(result), where)
+        optimizers, schedulers = _split_sequence(list(result), where, own_scheduler_step)
     else:
         optimizers, schedulers = [result], []
-    if len(optimizers) != 1:
+    if manual and any(isinstance(o, dict) for o in optimizers):  # several {"optimizer": ..., "lr_scheduler": ...}
+        pairs = [parse_optimizers(o, module_name, manual, own_scheduler_step) for o in optimizers]
+        return [o for os, _ in pairs for o in os], [s for _, ss in pairs for s in ss]
+    if len(optimizers) != 1 and not (manual and optimizers):
         kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
         raise ConfigError(
-            f"{where} returned {len(optimizers)} optimizers ({kinds}); unifit trains one optimizer "
-            "per module (several optimizers / manual optimization are not supported); "
-            "put all parameters in one optimizer with param groups"
+            f"{where} returned {len(optimizers)} optimizers ({kinds}); automatic optimization steps one "
+            "optimizer (as in Lightning): put all parameters in one optimizer with param groups, or set "
+            "self.automatic_optimization = False and step each in training_step (manual optimization)"
         )
-    optimizer = optimizers[0]
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            f"{where} returned {type(result).__name__} whose optimizer is a {type(optimizer).__name__}; {_FORMS}"
-        )
-    for i, group in enumerate(optimizer.param_groups):
-        if group["lr"] < 0:
-            raise ConfigError(f"{where}: param group {i} has lr={group['lr']}; the learning rate must be >= 0")
-    if len(schedulers) > 1:
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"{where} returned {type(result).__name__} whose optimizer is a {type(optimizer).__name__}; {_FORMS}"
+            )
+        for i, group in enumerate(optimizer.param_groups):
+            if group["lr"] < 0:
+                raise ConfigError(f"{where}: param group {i} has lr={group['lr']}; the learning rate must be >= 0")
+    if len(schedulers) > 1 and not manual:
         raise ConfigError(f"{where} returned {len(schedulers)} schedulers; return at most one")
-    if not schedulers:
-        return optimizer, None
-    spec = _scheduler_spec(schedulers[0], where, top_monitor, top_interval)
-    if spec.scheduler.optimizer is not optimizer:
-        raise ConfigError(
-            f"{where}: the scheduler {type(spec.scheduler).__name__} was built for another "
-            "optimizer than the one returned; build it with the returned optimizer"
-        )
-    return optimizer, spec
+    specs = [_scheduler_spec(s, where, top_monitor, top_interval, manual, own_scheduler_step) for s in schedulers]
+    for spec in specs:
+        if getattr(spec.scheduler, "optimizer", optimizers[0]) not in optimizers:
+            raise ConfigError(
+                f"{where}: the scheduler {type(spec.scheduler).__name__} was built for another "
+                "optimizer than the one returned; build it with the returned optimizer"
+            )
+    return optimizers, specs
 
 
-def _split_sequence(items: list[Any], where: str) -> tuple[list[Any], list[Any]]:
+def _split_sequence(items: list[Any], where: str, own_scheduler_step: bool) -> tuple[list[Any], list[Any]]:
     if len(items) == 2 and all(isinstance(x, (list, tuple)) for x in items):  # ([optimizers], [schedulers])
         return list(items[0]), list(items[1])
     optimizers = [x for x in items if isinstance(x, (torch.optim.Optimizer, dict))]
-    schedulers = [x for x in items if _is_scheduler(x)]
+    schedulers = [x for x in items if _is_scheduler(x) or (own_scheduler_step and x not in optimizers)]
     others = [x for x in items if x not in optimizers and x not in schedulers]
     if others:
         raise ConfigError(f"{where} returned a {type(items).__name__} holding a {type(others[0]).__name__}; {_FORMS}")
@@ -95,7 +101,9 @@ def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
 
 
-def _scheduler_spec(entry: Any, where: str, monitor: str | None, interval: str | None) -> SchedulerSpec:
+def _scheduler_spec(
+    entry: Any, where: str, monitor: str | None, interval: str | None, manual: bool, own_step: bool
+) -> SchedulerSpec:
     options: dict[str, Any] = {}
     if isinstance(entry, dict):
         unknown = set(entry) - _SCHEDULER_KEYS
@@ -105,8 +113,13 @@ def _scheduler_spec(entry: Any, where: str, monitor: str | None, interval: str |
                 f"received keys {sorted(entry)}"
             )
         options, entry = entry, entry["scheduler"]
-    if not _is_scheduler(entry):
-        raise ConfigError(f"{where}: lr_scheduler is a {type(entry).__name__}, not a torch LR scheduler; {_FORMS}")
+    if manual:  # the module steps its schedulers itself (self.lr_schedulers()); when is its choice
+        return SchedulerSpec(entry)
+    if not _is_scheduler(entry) and not own_step:
+        raise ConfigError(
+            f"{where}: lr_scheduler is a {type(entry).__name__}, not a torch LR scheduler; {_FORMS} "
+            "(a scheduler of another library, e.g. timm's, is stepped by overriding lr_scheduler_step)"
+        )
     spec = SchedulerSpec(
         entry,
         interval=options.get("interval", interval or "epoch"),
@@ -118,6 +131,8 @@ def _scheduler_spec(entry: Any, where: str, monitor: str | None, interval: str |
     if not isinstance(spec.frequency, int) or spec.frequency < 1:
         raise ConfigError(f"{where}: frequency received {spec.frequency!r}; use a positive integer")
     plateau = isinstance(entry, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if own_step and not _is_scheduler(entry):
+        return spec  # the module's lr_scheduler_step knows what the scheduler takes
     if plateau and not spec.monitor:
         raise ConfigError(
             f"{where}: ReduceLROnPlateau needs the metric it watches; return "

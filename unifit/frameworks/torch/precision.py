@@ -23,7 +23,8 @@ class Precision:
 
     name = "32-true"
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self, cache: bool = True) -> ContextManager[Any]:
+        """`cache`: keep the cast weights for the region (off when weights change inside it: manual optimization)."""
         return _PLAIN
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -49,18 +50,20 @@ class MixedPrecision(Precision):
         self.name, self.dtype, self.device_type = name, dtype, device.type
         _check_supported(name, dtype, device)
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        self._unscaled: set[int] = set()  # optimizers unscaled since their last step (a user's clip, then the step)
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self, cache: bool = True) -> ContextManager[Any]:
         if self.device_type == "cpu" and self.dtype == torch.float16:
-            return _cpu_float16()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+            return _cpu_float16(cache)
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=cache)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def unscale(self, optimizer: Any) -> None:
-        if self.scaler is not None:
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
 
     def step(self, optimizer: Any) -> None:
         if self.scaler is None:
@@ -68,6 +71,7 @@ class MixedPrecision(Precision):
             return
         self.scaler.step(optimizer)  # skipped when the unscaled gradients hold inf/NaN
         self.scaler.update()
+        self._unscaled.discard(id(optimizer))
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
@@ -78,10 +82,10 @@ class MixedPrecision(Precision):
 
 
 @contextlib.contextmanager
-def _cpu_float16() -> Iterator[None]:
+def _cpu_float16(cache: bool) -> Iterator[None]:
     """Autocast to float16 on CPU, where some layers have no float16 kernel (nn.LSTM: oneDNN 'could not
     create a primitive descriptor'): that error names the setting to change instead."""
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=cache):
         try:
             yield
         except RuntimeError as exc:

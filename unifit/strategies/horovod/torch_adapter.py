@@ -49,6 +49,27 @@ class TorchHorovod(TorchTraining, Binding):
             compression=compression,
         )
 
+    def setup_manual(
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+    ) -> tuple[Any, list[Any]]:
+        """Plain optimizers (hvd.DistributedOptimizer counts backward passes per step, which manual
+        optimization leaves to the user): rank 0's state broadcast, gradients averaged in average_gradients."""
+        self.precision = precision
+        if self.strategy.world_size > 1:
+            with self.strategy.collective("broadcast of the initial parameters"):
+                self.strategy.hvd.broadcast_parameters(step_module.state_dict(), root_rank=0)
+        return step_module, optimizers
+
+    def average_gradients(self, optimizer: Any) -> None:
+        if self.strategy.world_size == 1:
+            return
+        hvd = self.strategy.hvd
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        with self.strategy.collective("gradient allreduce"):
+            averaged = hvd.grouped_allreduce(grads, op=hvd.Average)
+        for grad, value in zip(grads, averaged):
+            grad.copy_(value)
+
     @contextlib.contextmanager
     def synchronized_gradients(self, optimizer: Any) -> Iterator[None]:
         """The averaged gradients are in place on entry, so clipping sees them; step() then skips its sync."""
