@@ -10,6 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, ManualOptimBoringModel
 
+import unifit
 from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, run_unifit
 from tests.probe.lightning_probe import Regressor
 from unifit import Trainer
@@ -104,16 +105,16 @@ class _OwnBackward(BoringModel):
         loss.backward()
 
 
-class _MaxReduce(BoringModel):
+class _MedianReduce(BoringModel):
     def training_step(self, batch, batch_idx):
         loss = self.step(batch)
-        self.log("peak", loss, reduce_fx="max")
+        self.log("peak", loss, reduce_fx="median")  # Lightning takes mean, sum, max and min only
         return loss
 
 
-class _LogsAtEpochEnd(BoringModel):
-    def on_train_epoch_end(self) -> None:
-        self.log("late", 1.0)
+class _LogsAtFitStart(BoringModel):
+    def on_fit_start(self) -> None:  # where Lightning refuses self.log too
+        self.log("early", 1.0)
 
 
 class _SkipsBatches(BoringModel):
@@ -127,8 +128,8 @@ def test_what_unifit_cannot_honour_is_refused_in_one_line():
     _bad(ManualOptimBoringModel(), "accumulate in training_step", trainer={"accumulate_grad_batches": 2})
     _bad(ManualOptimBoringModel(), "call self.clip_gradients(opt", trainer={"gradient_clip_val": 1.0})
     _bad(_OwnBackward(), "overrides backward; unifit's precision and strategy own backward")
-    _bad(_MaxReduce(), "reduce_fx='max'")
-    _bad(_LogsAtEpochEnd(), "self.log('late', ...) outside a step or a hook inside it")
+    _bad(_MedianReduce(), "self.log('peak'): reduce_fx='median'; use one of mean, sum, max, min")
+    _bad(_LogsAtFitStart(), "self.log('early', ...) outside the hooks where Lightning allows it")
     _bad(_SkipsBatches(), "training_step returned None")
     _bad(BoringModel(), "the DataLoader's batch_size is 1 but trainer.batch_size is 4", batch_size=4)
     _bad(Regressor, "received the class Regressor, not an instance")
@@ -269,3 +270,136 @@ def test_trainmodule_offers_save_hyperparameters_natively():
     assert Some().hparams == {"lr": 0.1}
     with pytest.raises(AttributeError, match="hparams has no 'nope'"):
         module.hparams.nope  # noqa: B018 (the access is what raises)
+
+
+class _CountsWhatItSees(BoringModel):
+    """Its own loaders refuse to be used: the data passed to the Trainer must be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = {"train": 0, "val": 0, "test": 0}
+
+    def training_step(self, batch, batch_idx):
+        self.seen["train"] += len(batch)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.seen["val"] += len(batch)
+        self.log("val_n", float(len(batch)), reduce_fx="sum")
+
+    def test_step(self, batch, batch_idx):
+        self.seen["test"] += len(batch)
+        self.log("test_n", float(len(batch)), reduce_fx="sum")
+
+    def train_dataloader(self):
+        raise AssertionError("the loader passed to the Trainer must be used, not the module's")
+
+    val_dataloader = test_dataloader = train_dataloader
+
+
+class _PlainModule(unifit.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.seen = torch.nn.Linear(32, 2), 0
+
+    def training_step(self, batch, batch_idx):
+        self.seen += len(batch)
+        return self.net(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.timeout(120)
+def test_data_passed_the_ways_lightnings_trainer_takes_it(tmp_path):
+    """fit(model, train, val) positionally, train_dataloaders= / val_dataloaders=, datamodule= with
+    LightningDataModule.from_datasets, validate/test with dataloaders; a unifit module with a DataLoader."""
+    from lightning.pytorch.demos.boring_classes import RandomDataset
+    from torch.utils.data import DataLoader
+
+    def loader(n: int) -> DataLoader:
+        return DataLoader(RandomDataset(32, n), batch_size=4)
+
+    def trainer() -> Trainer:
+        return Trainer(strategy="single", max_epochs=1, root_dir=str(tmp_path), checkpoint={"enabled": False}, **QUIET)
+
+    fits = {
+        "positional": lambda m: trainer().fit(m, loader(16), loader(8)),
+        "keywords": lambda m: trainer().fit(m, train_dataloaders=loader(16), val_dataloaders=loader(8)),
+        "from_datasets": lambda m: trainer().fit(
+            m,
+            datamodule=L.LightningDataModule.from_datasets(
+                train_dataset=RandomDataset(32, 16), val_dataset=RandomDataset(32, 8), batch_size=4
+            ),
+        ),
+    }
+    for how, fit in fits.items():
+        module = _CountsWhatItSees()
+        state = fit(module)
+        assert module.seen == {"train": 16, "val": 8, "test": 0}, how
+        assert state.progress.optimizer_step == 4 and state.metrics["val_n"] == 8.0, how  # batch size 4, adopted
+    module = _CountsWhatItSees()
+    assert trainer().test(module, loader(12)) == {"test_n": 12.0}
+    assert trainer().validate(module, dataloaders=loader(4)) == {"val_n": 4.0}
+    plain = _PlainModule()
+    assert trainer().fit(plain, loader(8)).progress.optimizer_step == 2 and plain.seen == 8
+    with pytest.raises(ConfigError, match=r"received a LightningDataModule and loaders \(train\); pass either"):
+        trainer().fit(_CountsWhatItSees(), L.LightningDataModule(), train_dataloaders=loader(4))
+
+
+@pytest.mark.timeout(120)
+def test_the_glue_tutorials_epoch_end_metrics_equal_lightnings(tmp_path):
+    """Lightning's GLUE tutorial module (tests/zoo/logging_models.py) with one validation loader: it computes and
+    logs its metrics in on_validation_epoch_end (the zoo runs its two-loader MNLI form on every strategy)."""
+    from tests.zoo.logging_models import GLUETransformer
+    from tests.zoo.torch_models import VOCAB, SentencesData
+
+    def build():
+        torch.manual_seed(0)
+        return GLUETransformer(vocab_size=VOCAB), SentencesData(4)
+
+    module, data = build()
+    lightning_trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    lightning_trainer.fit(module, datamodule=data)
+    theirs = {k: float(v) for k, v in lightning_trainer.callback_metrics.items()}
+    module, data = build()
+    ours = Trainer(strategy="single", max_epochs=2, root_dir=str(tmp_path), **QUIET).fit(module, data).metrics
+    assert set(theirs) == {"val_loss", "accuracy"} and ours["accuracy"] == pytest.approx(theirs["accuracy"])
+    assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-6)
+
+
+class _CountingWrapper(torch.optim.Optimizer):
+    """An optimizer that wraps another, Lookahead-style, keeping it as `.optimizer`: its own step must run."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.optimizer, self.steps = inner, 0
+        self.param_groups, self.defaults, self.state = inner.param_groups, inner.defaults, inner.state
+
+    def step(self, closure=None):
+        self.steps += 1
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class _ManualWithWrapper(ManualOptimBoringModel):
+    def configure_optimizers(self):
+        self.wrapper = _CountingWrapper(torch.optim.SGD(self.layer.parameters(), lr=0.1))
+        return self.wrapper
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_that_wraps_another_is_stepped_itself(tmp_path):
+    module = _ManualWithWrapper()
+    Trainer(strategy="single", max_epochs=1, root_dir=str(tmp_path), checkpoint={"enabled": False}, **QUIET).fit(module)
+    assert module.wrapper.steps == 64  # BoringDataModule's 64 batches of 1, one opt.step() each

@@ -5,25 +5,31 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unifit.errors import DistributedError
-from unifit.frameworks.metrics import MetricCollector, _agreed_keys
+from unifit.errors import ConfigError, DistributedError
+from unifit.frameworks.metrics import MetricCollector, _agreed_kinds
 
 
 class TwoRankWorld:
-    """Plays both ranks: all_gather returns both key lists; all_reduce adds the other's sums."""
+    """Plays both ranks: all_gather returns both ranks' (kinds, local values); all_reduce adds the other's sums.
+    `other_keys`: a list of keys reduced by mean, or a dict key -> kind; `other_local`: its max/min/rank 0 values."""
 
-    def __init__(self, other_keys, other_sums):
-        self.other_keys, self.other_sums = other_keys, other_sums
+    def __init__(self, other_keys, other_sums, other_local=None):
+        kinds = other_keys if isinstance(other_keys, dict) else {key: "mean" for key in other_keys}
+        self.other, self.other_sums = (kinds, other_local or {}), other_sums
 
     def all_gather_object(self, obj):
-        return [obj, self.other_keys]
+        return [obj, self.other]
 
     def all_reduce_sum(self, values):
         return values + self.other_sums
 
 
+def _collector():
+    return MetricCollector(lambda v: np.asarray(v, dtype=float))
+
+
 def test_weighted_mean_is_exact_with_uneven_shards():
-    rank0 = MetricCollector(lambda v: np.asarray(v, dtype=float))
+    rank0 = _collector()
     for value, count in [(1.0, 10), (3.0, 10), (2.0, 5)]:
         rank0.add("val/acc", value, count)
     # rank 1 logged one batch of 2 samples with value 10: sums (20, 2)
@@ -34,22 +40,54 @@ def test_weighted_mean_is_exact_with_uneven_shards():
 
 
 def test_rank_with_no_batches_may_log_nothing():
-    idle = MetricCollector(lambda v: np.asarray(v, dtype=float))
+    idle = _collector()
     world = TwoRankWorld(["val/acc"], np.array([6.0, 3.0]))
     assert idle.reduce(world) == {"val/acc": 2.0}
 
 
 def test_keys_reduced_in_sorted_order():
-    collector = MetricCollector(lambda v: np.asarray(v, dtype=float))
+    collector = _collector()
     collector.add("b", 1.0, 1)
     collector.add("a", 5.0, 1)
     world = TwoRankWorld(["a", "b"], np.array([0.0, 0.0, 1.0, 1.0]))  # [a_sum, b_sum, a_n, b_n]
     assert collector.reduce(world) == {"a": 2.5, "b": 0.5}
 
 
+def test_sum_max_min_and_rank_zero_only_reduce_as_lightning_with_sync_dist():
+    """sum: every step of every rank, unweighted; max/min: over every step of every rank; rank_zero_only:
+    rank 0's own (here weighted) mean, whatever the other ranks logged."""
+    rank0 = _collector()
+    for value, count in [(1.0, 4), (3.0, 2)]:
+        rank0.add("n", value, count, "sum")
+        rank0.add("hi", value, count, "max")
+        rank0.add("lo", value, count, "min")
+        rank0.add("mine", value, count, rank_zero_only=True)
+    other = {"n": "sum", "hi": "max", "lo": "min"}  # rank 1 logs no rank_zero_only key: allowed
+    world = TwoRankWorld(other, np.array([5.0, 1.0]), {"hi": 7.0, "lo": 0.5})  # [n_sum, n_count]
+    assert rank0.reduce(world) == {"n": 9.0, "hi": 7.0, "lo": 0.5, "mine": pytest.approx(10 / 6)}
+
+
+def test_a_key_reduced_two_ways_is_an_error():
+    collector = _collector()
+    collector.add("x", 1.0, 1)
+    with pytest.raises(ConfigError, match=r"self.log\('x'\): logged with reduce_fx='mean' and now 'max'"):
+        collector.add("x", 2.0, 1, "max")
+    with pytest.raises(DistributedError, match=r"'x' was logged with different reductions on different ranks"):
+        _agreed_kinds([{"x": "mean"}, {"x": "sum"}])
+
+
 def test_key_on_some_ranks_only_is_an_error():
     with pytest.raises(DistributedError, match=r"'x' was logged on ranks \[0\] but not on ranks \[1\]"):
-        _agreed_keys([["loss", "x"], ["loss"], []])
+        _agreed_kinds([{"loss": "mean", "x": "mean"}, {"loss": "mean"}, {}])
+
+
+def test_mid_epoch_state_keeps_the_reductions():
+    collector = _collector()
+    collector.add("hi", 2.0, 1, "max")
+    resumed = _collector()
+    resumed.load_state_dict(collector.state_dict())
+    resumed.add("hi", 1.0, 1, "max")
+    assert resumed.reduce(TwoRankWorld({}, np.zeros(0))) == {"hi": 2.0}
 
 
 def _fit_then_validate(tmp_path, module: str, fit_with: str, validate_with: list[tuple[str, str, list[str]]]):

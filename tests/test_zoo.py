@@ -2,7 +2,8 @@
 batch sampler, ManualOptimBoringModel), Hugging Face GPT-2 and BERT, a ResNet-18 with BatchNorm, all as their
 authors wrote them (LightningModules, their own DataLoaders), and modules that take part in their own step
 (a GAN in manual optimization with two optimizers, a classifier with every hook inside the optimizer step:
-tests/zoo/own_step_models.py), trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
+tests/zoo/own_step_models.py), Lightning's GLUE tutorial module, which logs its metrics in on_validation_epoch_end
+(tests/zoo/logging_models.py), trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
 
 What must hold, model by model:
 - single process equals Lightning's own Trainer, bit for bit (32-true and bf16-mixed, accumulating 2);
@@ -28,7 +29,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 DRIVER = "tests/zoo/run_torch_zoo.py"
-MODELS = ("boring", "transformer", "lstm", "gpt2", "bert", "resnet", "manual-boring", "gan", "hooks")
+MODELS = ("boring", "transformer", "lstm", "gpt2", "bert", "resnet", "manual-boring", "gan", "hooks", "glue")
 MANUAL = {"manual-boring", "gan"}  # trained without accumulation everywhere (refused with manual optimization)
 BATCH_NORM = {"resnet"}  # running statistics follow each rank's batches: compared only between world-2 runs
 # losses of the first steps single vs ddp (roundoff grows with the steps: the demo Transformer's SGD at lr 0.1
@@ -151,6 +152,43 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_pat
             continue
         diff = _max_diff(z.weights(model, "32-true"), z.weights(model, "32-true", "resume"))
         assert diff == 0.0, f"{strategy} {model}: resumed weights differ from the uninterrupted run's by {diff}"
+
+
+@pytest.mark.timeout(900)
+def test_logging_in_epoch_hooks_and_reductions_equal_lightning_then_hold_over_ranks(tmp_path_factory):
+    """The GLUE tutorial's on_validation_epoch_end metrics over two validation loaders, reduce_fx max/min/sum, the batch hooks', epoch hooks'
+    and a rank_zero_only value: on one process the values of Lightning's own Trainer; on 2 ranks reduced over
+    both (sync_dist), so what does not depend on how the samples are split equals the one-process value."""
+    single = z = zoo("single", tmp_path_factory)
+    for precision in ("32-true", "bf16-mixed"):
+        ours = z.record("glue", precision)["epochs"][-1]
+        theirs = z.record("glue", precision, "lightning")["epochs"][0]  # Lightning's callback_metrics after fit
+        assert set(theirs) == {
+            "val_loss_matched", "accuracy_matched", "val_loss_mismatched", "accuracy_mismatched",
+            "val_batches/dataloader_idx_0", "val_batches/dataloader_idx_1",  # two validation loaders
+            "train_loss", "train_loss_max", "train_loss_min", "samples",
+            "epoch_started", "epoch_ended", "label_mean", "rank0_only",
+        }, sorted(theirs)  # fmt: skip
+        assert {k: ours.get(k) for k in theirs} == pytest.approx(theirs, rel=1e-6), precision
+    reference = single.record("glue", "32-true")["epochs"]
+    for strategy in ("ddp", "fsdp"):
+        z = zoo(strategy, tmp_path_factory)
+        for rank, results in enumerate(z.ranks):
+            for epoch, (metrics, expected) in enumerate(zip(results["glue/32-true/unifit"]["epochs"], reference)):
+                where = (strategy, rank, epoch)
+                assert metrics["samples"] == 64.0, where  # a sum over both ranks
+                assert metrics["val_batches/dataloader_idx_0"] == 6.0, where
+                assert metrics["val_batches/dataloader_idx_1"] == 4.0, where
+                assert metrics["epoch_started"] == epoch and metrics["epoch_ended"] == epoch + 0.5, where
+                assert metrics["rank0_only"] == 8.0 * (epoch + 1), where  # rank 0's global_step, on every rank
+                for split in ("matched", "mismatched"):  # 12 of 24 (8 of 16) samples on each rank: the mean of
+                    # the two ranks' values is the value over all of them
+                    accuracy = f"accuracy_{split}"
+                    assert metrics[accuracy] == pytest.approx(expected[accuracy], rel=1e-12), where
+                    val_loss = f"val_loss_{split}"
+                    assert metrics[val_loss] == pytest.approx(expected[val_loss], rel=1e-5), where
+                assert metrics["label_mean"] == pytest.approx(expected["label_mean"], rel=1e-12), where
+                assert metrics["train_loss_max"] >= metrics["train_loss"] >= metrics["train_loss_min"], where
 
 
 @pytest.mark.timeout(900)

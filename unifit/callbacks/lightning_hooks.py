@@ -1,6 +1,7 @@
 """Calls an unchanged LightningModule's own hooks at the matching unifit events (see
 frameworks/torch/lightning.py for the module itself), in Lightning 2.x's order: on_train_epoch_end
-after validation, setup/teardown around the fit, on_save_checkpoint into the checkpoint."""
+after validation (LightningEpochEnds: before the other callbacks), setup/teardown around the fit,
+on_save_checkpoint into the checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +11,32 @@ from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
 
 
+class LightningEpochEnds(Callback):
+    """The LightningModule's on_validation_epoch_end and on_train_epoch_end, before every other callback: what
+    they log is reduced over the ranks right after the hook, into the metrics that early stopping, checkpoints,
+    the loggers and the user's callbacks read at the epoch's end, as in Lightning."""
+
+    runs_first = True
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+
+    def on_validation_end(self, ctx: Any) -> None:
+        self._epoch_end(ctx, "on_validation_epoch_end")
+
+    def on_epoch_end(self, ctx: Any) -> None:
+        self._epoch_end(ctx, "on_train_epoch_end")
+
+    def _epoch_end(self, ctx: Any, hook: str) -> None:
+        """Every rank calls the hook, so every rank reduces (a collective, only for a module that has the hook)."""
+        self.adapter.call_epoch_hook(getattr(self.adapter.lightning, hook))
+        if self.adapter.overrides(hook):
+            ctx.state.metrics.update(ctx.reduce_logged())
+
+
 class LightningHooks(Callback):
-    """The LightningModule's (and its data module's) hooks, for a LightningAdapter."""
+    """The LightningModule's (and its data module's) other hooks, for a LightningAdapter (after the user's
+    callbacks, as Lightning calls the module's hooks after theirs)."""
 
     def __init__(self, adapter: Any) -> None:
         self.adapter = adapter
@@ -28,35 +53,33 @@ class LightningHooks(Callback):
 
     def on_fit_start(self, ctx: Any) -> None:
         self.lm.on_fit_start()
-        self.lm.on_train_start()
+        self.adapter.call_epoch_hook(self.lm.on_train_start)  # its logs count in the first epoch
 
     def on_train_epoch_start(self, ctx: Any) -> None:
         self.adapter.view.epoch = ctx.progress.epoch
-        self.lm.on_train_epoch_start()
+        self.adapter.call_epoch_hook(self.lm.on_train_epoch_start)
 
     def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
         self._batch = batch
-        if self.lm.on_train_batch_start(batch, batch_idx) == -1:
+        if self.adapter.call_batch_hook(self.lm.on_train_batch_start, batch, batch_idx) == -1:
             raise ConfigError(
                 f"{type(self.lm).__name__}.on_train_batch_start returned -1 (skip the rest of the "
                 "epoch), which one rank cannot decide alone; set trainer.should_stop or use max_epochs"
             )
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        self.lm.on_train_batch_end({"loss": loss}, self._batch, batch_idx)
+        self.adapter.call_batch_hook(
+            lambda batch: self.lm.on_train_batch_end({"loss": loss}, batch, batch_idx), self._batch
+        )
 
     def on_validation_start(self, ctx: Any) -> None:
         self.adapter.view.training = False
-        self.lm.on_validation_start()
-        self.lm.on_validation_epoch_start()
+        self.adapter.call_epoch_hook(self.lm.on_validation_start)
+        self.adapter.call_epoch_hook(self.lm.on_validation_epoch_start)
 
     def on_validation_end(self, ctx: Any) -> None:
-        self.lm.on_validation_epoch_end()
-        self.lm.on_validation_end()
+        self.lm.on_validation_end()  # on_validation_epoch_end ran in LightningEpochEnds
         self.adapter.view.training = True
-
-    def on_epoch_end(self, ctx: Any) -> None:
-        self.lm.on_train_epoch_end()
 
     def on_fit_end(self, ctx: Any) -> None:
         self.adapter.view.epoch = ctx.progress.epoch  # Lightning's after fit: max_epochs

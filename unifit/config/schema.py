@@ -128,7 +128,13 @@ class TrainerConfig(_Strict):
     accelerator: Literal["auto", "cpu", "gpu"] = Field(
         "auto", description="auto uses GPUs when present (one per process, by local rank), else CPU."
     )
-    max_epochs: PositiveInt = Field(10, description="Number of epochs to train.")
+    max_epochs: PositiveInt = Field(
+        10, description="Number of epochs to train (with max_steps and not set: as many as max_steps takes)."
+    )
+    max_steps: PositiveInt | None = Field(
+        None,
+        description="Stop after this many optimizer steps, mid-epoch if need be (validated and checkpointed there); with max_epochs, whichever comes first.",
+    )
     batch_size: PositiveInt = Field(
         32,
         description="Batch size per replica; the global batch is batch_size x world size x accumulate_grad_batches. When not set, a training DataLoader of the module's own gives its batch size (else 32).",

@@ -39,6 +39,18 @@ class Engine(ABC):
         """Samples per optimizer step over all replicas: the one number LR scaling and logs use."""
         return self.config.batch_size * self.replicas * self.config.accumulate_grad_batches
 
+    def _fit_length(self, steps_per_epoch: int) -> int:
+        """The fit's optimizer steps in all (what schedules are sized by: Lightning's estimated_stepping_batches).
+        With trainer.max_steps this fit's config takes the epochs they span (all of them when max_epochs was not
+        set, as Lightning's max_epochs=-1; else at most max_epochs)."""
+        cfg = self.config
+        if cfg.max_steps is None:
+            return steps_per_epoch * cfg.max_epochs
+        spanned = -(-cfg.max_steps // steps_per_epoch)
+        epochs = min(cfg.max_epochs, spanned) if "max_epochs" in cfg.model_fields_set else spanned
+        self.config = cfg.model_copy(update={"max_epochs": epochs})
+        return min(cfg.max_steps, steps_per_epoch * epochs)
+
     @property
     def threads(self) -> int:
         """CPU threads this rank computes with (the launcher shares a node's CPUs out: OMP_NUM_THREADS)."""

@@ -1,11 +1,13 @@
-"""Collect what `self.log` receives during a phase and average it exactly over all ranks.
+"""Collect what `self.log` receives during a phase and reduce it exactly over all ranks.
 
-Each value is weighted by the number of samples it describes, so the result is
+By default each value is weighted by the number of samples it describes, so the result is
 sum(value x count) / sum(count) over every batch of every rank, exact with uneven shards.
+`reduce_fx` "sum", "max" or "min" reduce over every step of every rank instead (Lightning's
+`self.log(..., reduce_fx=..., sync_dist=True)`); a `rank_zero_only` value is rank 0's alone.
 Keys are reduced in sorted order so ranks never mix values; a key logged on some ranks but
-not on others (which processed batches) is an error on every rank, not a silent mix.
-Nothing here syncs with the device per step: values are kept as they come and turned into
-numbers once, at the end of the phase.
+not on others (which processed batches), or with another reduce_fx, is an error on every rank,
+not a silent mix. Nothing here syncs with the device per step: values are kept as they come and
+turned into numbers once, at the end of the phase.
 
 Metrics that are not means (AUROC, F1, precision at k...) are logged as stateful metric objects
 (a torchmetrics `Metric`, a keras.metrics.Metric), which each framework wraps: their states are
@@ -22,12 +24,17 @@ import numpy as np
 from unifit.errors import ConfigError, DistributedError
 
 STATEFUL = "__stateful__"  # the key of the metric objects' states in a collector's state_dict
+KINDS = "__kinds__"  # the key of the keys' reductions that are not the default in a collector's state_dict
+REDUCTIONS = ("mean", "sum", "max", "min")
+RANK_ZERO = "@rank0"  # a kind's suffix: the value of rank 0 alone (reduced over its own steps)
+_OBJECT = "object"  # the kind of a stateful metric
 
 
 class MetricCollector:
     def __init__(self, to_numpy: Callable[[list[Any]], np.ndarray]) -> None:
         self._to_numpy = to_numpy
         self._entries: dict[str, tuple[list[Any], list[int]]] = {}
+        self._kinds: dict[str, str] = {}  # name -> its reduction, where not "mean"
         self._stateful: dict[str, Any] = {}  # name -> a metric object the module updates itself
         self._resumed: dict[str, Any] = {}  # name -> a stateful metric's state from a mid-epoch checkpoint
         self._last_totals: dict[str, float] = {}
@@ -39,17 +46,27 @@ class MetricCollector:
 
     def reset(self) -> None:
         self._entries = {}
+        self._kinds = {}
         for metric in self._stateful.values():
             metric.reset()
         self._stateful = {}
         self._resumed = {}
 
-    def add(self, name: str, value: Any, count: int) -> None:
+    def add(self, name: str, value: Any, count: int, reduce_fx: str = "mean", rank_zero_only: bool = False) -> None:
+        """Record `value` for `name` (weighted by `count` samples for "mean"); `reduce_fx` is one of REDUCTIONS."""
         if is_stateful(value):  # its own states accumulate; the object is computed at the end
             if name in self._resumed:  # the epoch's batches before a mid-epoch checkpoint count too
                 value.merge(self._resumed.pop(name))
             self._stateful[name] = value
             return
+        kind = reduce_fx + (RANK_ZERO if rank_zero_only else "")
+        if self._kinds.get(name, "mean") != kind and name in self._entries:
+            raise ConfigError(
+                f"self.log({name!r}): logged with reduce_fx={_fx(self._kinds.get(name, 'mean'))} and now "
+                f"{_fx(kind)} in the same phase; log one key with one reduce_fx"
+            )
+        if kind != "mean":
+            self._kinds[name] = kind
         entry = self._entries.get(name)
         if entry is None:
             entry = self._entries[name] = ([], [])
@@ -57,19 +74,21 @@ class MetricCollector:
         entry[1].append(count)
 
     def state_dict(self) -> dict[str, Any]:
-        """The phase so far (a mid-epoch checkpoint): each entry's means and counts, and under
-        STATEFUL each metric object's state (merged into the object when it is logged again)."""
-        out: dict[str, Any] = {}
-        for name, (values, counts) in self._entries.items():
-            means = self._to_numpy(values).astype(np.float64).reshape(len(counts), -1).mean(axis=1)
-            out[name] = ([float(v) for v in means], list(counts))
+        """The phase so far (a mid-epoch checkpoint): each entry's means and counts, under STATEFUL each
+        metric object's state (merged into the object when it is logged again), under KINDS the reductions."""
+        out: dict[str, Any] = {
+            name: ([float(v) for v in self._means(name)], list(counts)) for name, (_, counts) in self._entries.items()
+        }
         if self._stateful:
             out[STATEFUL] = {name: metric.state() for name, metric in self._stateful.items()}
+        if self._kinds:
+            out[KINDS] = dict(self._kinds)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self._resumed = dict(state.pop(STATEFUL, {}))
+        self._kinds = dict(state.pop(KINDS, {}))
         self._entries = {name: (list(values), list(counts)) for name, (values, counts) in state.items()}
 
     def latest(self, name: str) -> Any:
@@ -77,33 +96,63 @@ class MetricCollector:
         return entry[0][-1] if entry else None
 
     def reduce(self, strategy: Any) -> dict[str, float]:
-        """Sample-weighted means over every rank (a collective: call on all ranks)."""
-        local_keys = sorted([*self._entries, *self._stateful])
-        all_keys = strategy.all_gather_object(local_keys)
-        stateful = {key: self._stateful[key] for key in _agreed_keys(all_keys) if key in self._stateful}
-        computed = {key: _computed_over_ranks(key, metric, strategy) for key, metric in sorted(stateful.items())}
-        keys = [key for key in _agreed_keys(all_keys) if key not in stateful]
-        sums = np.zeros(2 * len(keys), dtype=np.float64)
-        for i, key in enumerate(keys):
-            entry = self._entries.get(key)
-            if entry is None:
-                continue
-            values = self._to_numpy(entry[0]).astype(np.float64).reshape(len(entry[1]), -1).mean(axis=1)
-            counts = np.asarray(entry[1], dtype=np.float64)
-            sums[i] = float(np.dot(values, counts))
-            sums[len(keys) + i] = float(counts.sum())
+        """Every key reduced over every rank (a collective: call on all ranks)."""
+        mine = {key: self._kinds.get(key, "mean") for key in self._entries}
+        mine.update({key: _OBJECT for key in self._stateful})
+        # max, min and rank 0's values travel with the keys: one gather of small Python objects
+        local = {key: self._local(key, kind) for key, kind in mine.items() if kind not in ("mean", "sum", _OBJECT)}
+        gathered = strategy.all_gather_object((mine, local))
+        kinds = _agreed_kinds([ranks_kinds for ranks_kinds, _ in gathered])
+        out: dict[str, float] = {}
+        for key, kind in kinds.items():
+            if kind.endswith(RANK_ZERO):
+                if key in gathered[0][1]:
+                    out[key] = gathered[0][1][key]
+            elif kind in ("max", "min"):
+                values = [values[key] for _, values in gathered if key in values]
+                out[key] = max(values) if kind == "max" else min(values)
+        stateful = sorted(key for key, kind in kinds.items() if kind == _OBJECT and key in self._stateful)
+        out.update({key: _computed_over_ranks(key, self._stateful[key], strategy) for key in stateful})
+        summed = [key for key, kind in kinds.items() if kind in ("mean", "sum")]
+        sums = np.zeros(2 * len(summed), dtype=np.float64)
+        for i, key in enumerate(summed):
+            if key in self._entries:
+                means, counts = self._means(key), np.asarray(self._entries[key][1], dtype=np.float64)
+                sums[i] = float(np.dot(means, counts)) if kinds[key] == "mean" else float(means.sum())
+                sums[len(summed) + i] = float(counts.sum())
         totals = strategy.all_reduce_sum(sums)
         self.reset()
-        self._last_totals = {key: float(totals[len(keys) + i]) for i, key in enumerate(keys)}
-        means = {
-            key: float(totals[i] / totals[len(keys) + i]) for i, key in enumerate(keys) if totals[len(keys) + i] > 0
-        }
-        return {**means, **computed}
+        self._last_totals = {key: float(totals[len(summed) + i]) for i, key in enumerate(summed)}
+        for i, key in enumerate(summed):
+            count = totals[len(summed) + i]
+            if kinds[key] == "sum":
+                out[key] = float(totals[i])
+            elif count > 0:
+                out[key] = float(totals[i] / count)
+        return out
+
+    def _means(self, name: str) -> np.ndarray:
+        """Each logged value as one number (the mean of a tensor that holds several)."""
+        values, counts = self._entries[name]
+        return self._to_numpy(values).astype(np.float64).reshape(len(counts), -1).mean(axis=1)
+
+    def _local(self, name: str, kind: str) -> float:
+        """This rank's reduction of `name` over its own steps."""
+        means, counts = self._means(name), np.asarray(self._entries[name][1], dtype=np.float64)
+        fx = kind.removesuffix(RANK_ZERO)
+        if fx == "mean":
+            return float(np.dot(means, counts) / counts.sum()) if counts.sum() > 0 else float(means.mean())
+        return float({"sum": np.sum, "max": np.max, "min": np.min}[fx](means))
 
 
 def is_stateful(value: Any) -> bool:
     """A metric object computed over every rank's states (frameworks/torch/stateful.py, frameworks/keras/stateful.py)."""
     return hasattr(value, "compute_over") and hasattr(value, "reset")
+
+
+def _fx(kind: str) -> str:
+    fx = kind.removesuffix(RANK_ZERO)
+    return f"{fx!r}, rank_zero_only=True" if kind.endswith(RANK_ZERO) else repr(fx)
 
 
 def _computed_over_ranks(name: str, metric: Any, strategy: Any) -> float:
@@ -117,16 +166,28 @@ def _computed_over_ranks(name: str, metric: Any, strategy: Any) -> float:
         ) from None
 
 
-def _agreed_keys(all_keys: list[list[str]]) -> list[str]:
-    """Keys every rank that logged anything logged; raise naming the first disagreement."""
-    active = [(rank, set(keys)) for rank, keys in enumerate(all_keys) if keys]
-    union = sorted(set().union(*(keys for _, keys in active))) if active else []
+def _agreed_kinds(all_kinds: list[dict[str, str]]) -> dict[str, str]:
+    """Every key, in sorted order, with the reduction every rank agrees on; raise naming the first
+    disagreement: a key logged on some ranks but not on others (that logged anything), or reduced
+    differently. A rank_zero_only key needs rank 0 alone."""
+    active = [(rank, kinds) for rank, kinds in enumerate(all_kinds) if kinds]
+    union = sorted(set().union(*(kinds for _, kinds in active))) if active else []
+    agreed: dict[str, str] = {}
     for key in union:
-        missing = [rank for rank, keys in active if key not in keys]
-        if missing:
-            present = [rank for rank, keys in active if key in keys]
+        seen = {kinds[key] for _, kinds in active if key in kinds}
+        if len(seen) > 1:
+            raise DistributedError(
+                f"metric '{key}' was logged with different reductions on different ranks "
+                f"({', '.join(sorted(map(_fx, seen)))}); log it the same way on every rank"
+            )
+        kind = seen.pop()
+        missing = [rank for rank, kinds in active if key not in kinds]
+        if missing and not kind.endswith(RANK_ZERO):
+            present = [rank for rank, kinds in active if key in kinds]
             raise DistributedError(
                 f"metric '{key}' was logged on ranks {present} but not on ranks {missing}; "
-                "log every metric on every rank (metrics are averaged over all ranks)"
+                "log every metric on every rank (metrics are reduced over all ranks), or pass "
+                "rank_zero_only=True for a value of rank 0 alone"
             )
-    return union
+        agreed[key] = kind
+    return agreed

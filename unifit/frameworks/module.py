@@ -6,6 +6,7 @@ import inspect
 from typing import Any, ClassVar
 
 from unifit.errors import ConfigError
+from unifit.frameworks.metrics import REDUCTIONS
 
 
 class HParams(dict):
@@ -57,18 +58,27 @@ class ModuleBase:
         """Where `log` records from now on (the running engine's MetricCollector); None: nowhere."""
         self._unifit_collector = collector
 
-    def log(self, name: str, value: Any, *, batch_size: int | None = None) -> None:
-        """Record a metric; it is averaged over the epoch and all ranks, weighted by samples.
-
-        `batch_size` defaults to the size of the current batch.
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        batch_size: int | None = None,
+        reduce_fx: str = "mean",
+        rank_zero_only: bool = False,
+    ) -> None:
+        """Record a metric, reduced over the epoch and all ranks: by default a mean weighted by samples
+        (`batch_size`, by default the size of the current batch); `reduce_fx` "sum", "max" or "min"
+        over every step of every rank instead; `rank_zero_only`: rank 0's value alone (logged there).
         """
         collector = self._unifit_collector
         if collector is not None:
-            collector.add(name, self._detach(value), batch_size or collector.batch_count)
+            fx = _reduction(name, reduce_fx)
+            collector.add(name, self._detach(value), batch_size or collector.batch_count, fx, rank_zero_only)
 
-    def log_dict(self, metrics: dict[str, Any], *, batch_size: int | None = None) -> None:
+    def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
-            self.log(name, value, batch_size=batch_size)
+            self.log(name, value, **kwargs)
 
     def _detach(self, value: Any) -> Any:
         return value
@@ -106,3 +116,15 @@ class ModuleBase:
     def predict_dataset(self) -> Any:
         """Data for Trainer.predict / `unifit predict` (like val_dataset), or None."""
         return None
+
+
+def _reduction(name: str, reduce_fx: Any) -> str:
+    """Lightning's accepted spellings of a reduction ("avg", torch.max, max...) as one of REDUCTIONS."""
+    fx = getattr(reduce_fx, "__name__", reduce_fx)
+    fx = "mean" if fx == "avg" else fx
+    if fx not in REDUCTIONS:
+        raise ConfigError(
+            f"self.log({name!r}): reduce_fx={reduce_fx!r}; use one of {', '.join(REDUCTIONS)} (or log a "
+            "torchmetrics Metric for any other statistic)"
+        )
+    return str(fx)

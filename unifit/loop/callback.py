@@ -21,6 +21,9 @@ class Callback:
     # callbacks that persist training (checkpoints, the final model) run after every other callback
     # of an event, so a user callback that stops training is seen by the save that follows it
     runs_last: ClassVar[bool] = False
+    # the module's own hooks (a LightningModule's) run before every other callback of an event: what
+    # they log at an epoch's end is in the metrics the others read
+    runs_first: ClassVar[bool] = False
 
     @property
     def state_key(self) -> str:

@@ -22,6 +22,8 @@ class FitContext:
     all_reduce_max: Callable[[Any], Any]
     save_checkpoint: Callable[..., str | None]
     model_files: Callable[[], dict[str, bytes]]
+    # what the module logged since the last reduce, reduced over the ranks (a collective: every rank calls it)
+    reduce_logged: Callable[[], dict[str, float]]
     # the run
     resolved_config: str  # the experiment as YAML, saved with the run
     last_checkpoint: str | None = None  # the newest checkpoint saved or resumed from (same on every rank)

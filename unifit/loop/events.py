@@ -4,12 +4,12 @@ The fit loop, as pseudocode (`Trainer.fit` follows it line by line):
 
     setup
     fit_start
-    for epoch in range(start_epoch, max_epochs):
+    for epoch in range(start_epoch, max_epochs):   # with max_steps: the epochs it spans (or fewer)
         train_epoch_start
         for batch in this rank's shard:
             train_batch_start
             loss = training_step(batch); backward; every k-th micro-batch: optimizer step
-            train_batch_end
+            train_batch_end                 # at max_steps the epoch ends here (validated, checkpointed)
         train_epoch_end                     # train metrics averaged over ranks are known
         if validating this epoch:
             validation_start

@@ -10,9 +10,11 @@ Anything else is refused in one line that says what to pass instead.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
-from unifit.callbacks.lightning_hooks import LightningHooks
+from unifit.callbacks.lightning_hooks import LightningEpochEnds, LightningHooks
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
 from unifit.loop.callback import Callback
@@ -21,6 +23,81 @@ _ACCEPTED = (
     "a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass, a lightning "
     "LightningModule, or a compiled keras.Model"
 )
+
+
+# a stage's data slot in GivenData, and Lightning's keyword for it
+STAGE_SLOT = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+
+
+@dataclass
+class GivenData:
+    """Data passed as Lightning passes it (`fit(model, train_loader, val_loader)`, `train_dataloaders=`,
+    `val_dataloaders=`, `dataloaders=`): a data provider holding those loaders or datasets; what was not
+    given comes from the module (`fallback`), as in Lightning."""
+
+    train: Any = None
+    val: Any = None
+    test: Any = None
+    predict: Any = None
+    fallback: Any = None  # the module, set by set_up
+
+    def train_dataset(self) -> Any:
+        return self._pick("train")
+
+    def val_dataset(self) -> Any:
+        return self._pick("val")
+
+    def test_dataset(self) -> Any:
+        return self._pick("test")
+
+    def predict_dataset(self) -> Any:
+        return self._pick("predict")
+
+    def _pick(self, slot: str) -> Any:
+        given = getattr(self, slot)
+        return given if given is not None else getattr(self.fallback, f"{slot}_dataset")()
+
+
+def passed_data(stage: str, data: Any, ckpt_path: Any, datamodule: Any = None, **loaders: Any) -> tuple[Any, Any]:
+    """(data, ckpt_path) from every way Lightning's Trainer takes data: `data` may be a data provider, a
+    LightningDataModule or a torch DataLoader / Dataset (the stage's: train for fit); `loaders` are
+    Lightning's keywords by slot (train=, val=, test=, predict=). Lightning's positional order
+    fit(model, train, val) puts the val loader where unifit's ckpt_path is: taken as the val loader."""
+    if ckpt_path is not None and not isinstance(ckpt_path, (str, os.PathLike)):
+        if stage != "fit" or loaders.get("val") is not None:
+            raise ConfigError(
+                f"ckpt_path: received a {type(ckpt_path).__name__}; pass a checkpoint ('last', 'best', a name or a "
+                "directory), and data as data= / dataloaders="
+            )
+        loaders["val"], ckpt_path = ckpt_path, None
+    if datamodule is not None:
+        if data is not None and data is not datamodule:
+            raise ConfigError(f"{stage}(): received both data and datamodule; pass the data module once")
+        data = datamodule
+    given = {slot: value for slot, value in loaders.items() if value is not None}
+    if data is not None and _is_torch_data(data):
+        slot = STAGE_SLOT[stage]
+        if slot in given:
+            raise ConfigError(
+                f"{stage}(): the {slot} data was passed twice (positionally and by keyword); pass it once"
+            )
+        given[slot] = data
+    elif given and data is not None:
+        raise ConfigError(
+            f"{stage}(): received a {type(data).__name__} and loaders ({', '.join(sorted(given))}); pass either a "
+            "data module (or provider) or loaders"
+        )
+    return (GivenData(**given) if given else data), ckpt_path
+
+
+def _is_torch_data(obj: Any) -> bool:
+    """A torch DataLoader or Dataset, or a list of them (by class name: torch is not imported to ask)."""
+    if isinstance(obj, (list, tuple)) and obj:
+        return all(_is_torch_data(each) for each in obj)
+    return any(
+        c.__name__ in ("DataLoader", "Dataset", "IterableDataset") and c.__module__.startswith("torch.utils.data")
+        for c in type(obj).__mro__
+    )
 
 
 def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:
@@ -41,6 +118,8 @@ def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any,
         options=config.strategy_options,
     )
     training = registry.training(config.strategy, module.framework, strategy)  # the (strategy, framework) table
+    if isinstance(data, GivenData):
+        data.fallback = module
     data = data if data is not None else module
     engine = load_object(module.engine, field="module")(module, data, strategy, training, config)
     return module, strategy, engine
@@ -61,9 +140,10 @@ def trainable(module: Any, data: Any = None) -> tuple[ModuleBase, Any]:
 
     if lightning.is_lightning_module(module):
         datamodule = data if data is not None and lightning.is_lightning_datamodule(data) else None
-        adapter = lightning.LightningAdapter(module, datamodule=datamodule)
-        adapter.attach_callbacks([LightningHooks(adapter)])
-        return adapter, (None if datamodule is not None else data)
+        given = data if isinstance(data, GivenData) else None  # loaders: the adapter asks them first
+        adapter = lightning.LightningAdapter(module, datamodule=datamodule, given=given)
+        adapter.attach_callbacks([LightningEpochEnds(adapter), LightningHooks(adapter)])
+        return adapter, (None if datamodule is not None or given is not None else data)
     if isinstance(module, type):
         raise ConfigError(f"module: received the class {module.__name__}, not an instance; pass {module.__name__}(...)")
     raise ConfigError(f"module: received a {type(module).__module__}.{type(module).__qualname__}; pass {_ACCEPTED}")

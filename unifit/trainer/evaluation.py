@@ -5,7 +5,7 @@ load the weights of --ckpt-path (best | last | a name | a directory), if given
 for batch in this rank's disjoint shard (uneven shards, no padding: nothing is counted twice):
     validate/test: the module's validation_step / test_step logs metrics
     predict: predict_step's outputs are kept, sample by sample, with their dataset index
-metrics: exact sample-weighted means over every rank
+metrics: exact sample-weighted means over every rank (and what the end-of-stage hooks log, reduced after them)
 predictions: gathered on rank 0 in dataset order, each sample exactly once (other ranks get None)
 """
 
@@ -69,6 +69,8 @@ def evaluate(
         else:
             result.metrics = engine.collector.reduce(strategy)
         module.on_evaluation_end(stage)
+        if stage != "predict":  # what on_<stage>_epoch_end logged (a LightningModule's), reduced over the ranks
+            result.metrics.update(engine.collector.reduce(strategy))
         return result
     finally:
         engine.close()

@@ -29,7 +29,7 @@ from unifit.loop.state import Progress, TrainState
 from unifit.storage import check_writable
 from unifit.strategies import environment, registry
 from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
-from unifit.trainer.adapt import set_up
+from unifit.trainer.adapt import STAGE_SLOT, passed_data, set_up
 from unifit.trainer.evaluation import evaluate
 
 log = logging.getLogger("unifit")
@@ -74,9 +74,22 @@ class Trainer:
         self._run: _Run | None = None
 
     # ---- public API ---------------------------------------------------------------------------
-    def fit(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> TrainState:
+    def fit(
+        self,
+        module: Any,
+        data: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: Any = None,
+        *,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+    ) -> TrainState:
         """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
-        ('last', 'best', a checkpoint name or directory). Returns the final TrainState."""
+        ('last', 'best', a checkpoint name or directory). Returns the final TrainState.
+
+        Lightning's ways of passing data work too: `fit(model, train_loader, val_loader)`,
+        `train_dataloaders=` / `val_dataloaders=`, `datamodule=`."""
+        data, ckpt_path = passed_data("fit", data, ckpt_path, datamodule, train=train_dataloaders, val=val_dataloaders)
         cfg = self.config
         given, (module, strategy, engine) = module, set_up(cfg, module, data)
         self.state = TrainState()
@@ -102,6 +115,7 @@ class Trainer:
                 model_files=engine.model_files,
                 resolved_config=self._resolved_config(given, cfg),
                 threads=engine.threads,
+                reduce_logged=lambda: engine.collector.reduce(strategy),
             )
             run = self._run = _Run(Checkpointer(engine, strategy, cfg, callbacks), ctx)
             if ckpt_path or cfg.resume:
@@ -130,19 +144,48 @@ class Trainer:
                 strategy.teardown()
         return self.state
 
-    def validate(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+    def validate(
+        self,
+        module: Any,
+        data: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: Any = None,
+        *,
+        dataloaders: Any = None,
+    ) -> dict[str, float]:
         """One pass over the validation data on every rank (each a disjoint shard), with the weights of
-        `ckpt_path` if given: what validation_step logs, exact over all ranks."""
-        return evaluate(self.config, "validate", module, data, ckpt_path).metrics
+        `ckpt_path` if given: what validation_step logs, exact over all ranks. `data` (or Lightning's
+        `dataloaders=` / `datamodule=`): a DataLoader, a data module or provider; by default the module's."""
+        return self._evaluate("validate", module, data, ckpt_path, datamodule, dataloaders).metrics
 
-    def test(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> dict[str, float]:
+    def test(
+        self,
+        module: Any,
+        data: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: Any = None,
+        *,
+        dataloaders: Any = None,
+    ) -> dict[str, float]:
         """As validate, over test_dataset() with test_step."""
-        return evaluate(self.config, "test", module, data, ckpt_path).metrics
+        return self._evaluate("test", module, data, ckpt_path, datamodule, dataloaders).metrics
 
-    def predict(self, module: Any, data: Any = None, ckpt_path: str | None = None) -> Any:
+    def predict(
+        self,
+        module: Any,
+        data: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: Any = None,
+        *,
+        dataloaders: Any = None,
+    ) -> Any:
         """predict_step over predict_dataset(), sharded over the ranks; on rank 0 every sample's
         output once, in dataset order (None on the other ranks)."""
-        return evaluate(self.config, "predict", module, data, ckpt_path).predictions
+        return self._evaluate("predict", module, data, ckpt_path, datamodule, dataloaders).predictions
+
+    def _evaluate(self, stage: str, module: Any, data: Any, ckpt_path: Any, datamodule: Any, dataloaders: Any) -> Any:
+        data, ckpt_path = passed_data(stage, data, ckpt_path, datamodule, **{STAGE_SLOT[stage]: dataloaders})
+        return evaluate(self.config, stage, module, data, ckpt_path)
 
     def save_checkpoint(
         self, name: str | None = None, after_commit: Callable[[CheckpointStore, str], None] | None = None
@@ -159,11 +202,11 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
-        cfg, state, progress = self.config, ctx.state, ctx.state.progress
+        cfg, state, progress = ctx.config, ctx.state, ctx.state.progress  # this fit's (max_steps: its epochs)
         for epoch in range(progress.epoch, cfg.max_epochs):
+            if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:
+                break  # resumed from a checkpoint taken at max_steps
             skip = progress.batch_in_epoch  # > 0 only in the first epoch of a resume from a mid-epoch checkpoint
-            if not skip:
-                engine.collector.reset()
             dispatch(Event.TRAIN_EPOCH_START)
             batch_start, batch_end = (
                 dispatch.handlers(Event.TRAIN_BATCH_START),
@@ -178,6 +221,10 @@ class Trainer:
                 progress.optimizer_step = engine.optimizer_steps
                 for hook in batch_end:
                     hook(ctx, loss, batch_idx)
+                if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:
+                    state.request_stop(
+                        f"max_steps={cfg.max_steps} reached"
+                    )  # validated and checkpointed as an epoch end
                 if state.should_stop:
                     break
             engine.end_of_epoch()
@@ -214,7 +261,8 @@ class Trainer:
             if not isinstance(cb, Callback):
                 raise ConfigError(f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback")
         every = [*default_callbacks(self.config), *user, *self.extra_callbacks, *module.configure_callbacks()]
-        return [cb for cb in every if not cb.runs_last] + [cb for cb in every if cb.runs_last]
+        first, last = [cb for cb in every if cb.runs_first], [cb for cb in every if cb.runs_last]
+        return first + [cb for cb in every if not (cb.runs_first or cb.runs_last)] + last
 
     def _resume(self, run: _Run, spec: str) -> None:
         """Every rank continues from the checkpoint `spec` names (see Checkpointer.read for which)."""

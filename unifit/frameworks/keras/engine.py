@@ -129,6 +129,8 @@ class KerasEngine(KerasEvaluation, Engine):
         self._batches = len(self._train_sizes)
         if cfg.limit_train_batches:
             self._batches = min(self._batches, cfg.limit_train_batches)
+        self.module.stepping_batches = self._fit_length(self._batches)
+        cfg = self.config  # max_steps: with the epochs it spans
         val, val_presharded = self._rank_data(self.data.val_dataset())
         if val is not None and cfg.limit_val_batches != 0 and isinstance(val, tf.data.Dataset):
             self.val_lazy = self._lazy(val, "val_dataset()", val_presharded)

@@ -42,8 +42,8 @@ class _StepModule(torch.nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, batch: Any, batch_idx: int, step: str = "training_step") -> Any:
-        return getattr(self.module, step)(batch, batch_idx)
+    def forward(self, batch: Any, batch_idx: int, *more: Any, step: str = "training_step") -> Any:
+        return getattr(self.module, step)(batch, batch_idx, *more)
 
 
 class TorchEngine(TorchEvaluation, Engine):
@@ -52,7 +52,7 @@ class TorchEngine(TorchEvaluation, Engine):
     device: torch.device
     precision: Precision
     train_loader: Any
-    val_loader: Any
+    val_loaders: list[Any]  # one per validation loader (a LightningModule may return several)
     wrapped: Any  # the module to call for a step, wrapped by the strategy (DDP, FSDP)
     optimizer: Any  # automatic optimization's one optimizer (manual: the first)
     optimizers: list[Any]  # every optimizer configure_optimizers() returned, wrapped by the strategy
@@ -133,25 +133,29 @@ class TorchEngine(TorchEvaluation, Engine):
             )
         has_val_step = type(self.module).validation_step is not _base_validation_step()
         val, val_presharded = self._rank_data(self.data.val_dataset() if has_val_step else None)
-        self.val_loader = None
+        self.val_loaders = []
         if val is not None and cfg.limit_val_batches != 0:
             shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
-            self.val_loader = user_loaders.evaluation_loader(
-                val,
-                "val_dataset()",
-                batch_size=cfg.batch_size,
-                world_size=shards[0],
-                rank=shards[1],
-                num_workers=cfg.num_workers,
-                pin_memory=pin,
-            )
+            self.val_loaders = [
+                user_loaders.evaluation_loader(
+                    each,
+                    "val_dataset()",
+                    batch_size=cfg.batch_size,
+                    world_size=shards[0],
+                    rank=shards[1],
+                    num_workers=cfg.num_workers,
+                    pin_memory=pin,
+                )
+                for each in user_loaders.each_loader(val)
+            ]
 
         self.accumulate = cfg.accumulate_grad_batches
         manual = not getattr(self.module, "automatic_optimization", True)
         if manual:
             _check_manual(cfg, type(self.module).__name__)
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
-        self.module.stepping_batches = steps_per_epoch * cfg.max_epochs  # known before configure_optimizers
+        self.module.stepping_batches = self._fit_length(steps_per_epoch)  # known before configure_optimizers
+        cfg = self.config  # max_steps: with the epochs it spans
         hooks = self.module.step_hooks()
         self.optimizers, self.schedules = parse_optimizers(
             _configure_optimizers(self.module), type(self.module).__name__, manual, "lr_scheduler_step" in hooks
@@ -246,7 +250,7 @@ class TorchEngine(TorchEvaluation, Engine):
 
     @property
     def has_validation(self) -> bool:
-        return self.val_loader is not None
+        return bool(self.val_loaders)
 
     @property
     def threads(self) -> int:
@@ -359,16 +363,14 @@ class TorchEngine(TorchEvaluation, Engine):
     def val_batches(self) -> Iterator[Any]:
         self.module.eval()
         self._rank_zero_buffers()
-        limit = self.config.limit_val_batches
-        for i, batch in enumerate(self.val_loader):
-            if limit is not None and i >= limit:
-                break
-            yield tdata.to_device(batch, self.device) if self._move else batch
+        yield from self._batches_of(self.val_loaders, self.config.limit_val_batches)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """`batch_idx` counts within the batch's loader (and the step gets its `dataloader_idx` when there are
+        several), as val_batches yielded it."""
         self.collector.batch_count = tdata.batch_size_of(batch)
         with torch.no_grad(), self.precision.autocast():
-            self._validate(batch, batch_idx)
+            self._validate(batch, *self._position)
 
     # ---- numbers ------------------------------------------------------------------------
     def to_numpy(self, values: list[Any]) -> np.ndarray:

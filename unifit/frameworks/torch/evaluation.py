@@ -33,6 +33,8 @@ class TorchEvaluation:
     training: TorchTraining
     config: Any
     collector: Any
+    _move: bool
+    _position: tuple[int, ...] = (0,)  # the current evaluation batch's (batch_idx, [dataloader_idx])
 
     def setup_evaluation(self, stage: str) -> None:
         cfg, strategy = self.config, self.strategy
@@ -50,15 +52,24 @@ class TorchEvaluation:
                 f"{source}(): an IterableDataset has no indices to put predictions in order by; "
                 "give a map-style Dataset (with __len__ and __getitem__)"
             )
-        self.eval_loader = user_loaders.evaluation_loader(
-            dataset,
-            f"{source}()",
-            batch_size=cfg.batch_size,
-            world_size=world,
-            rank=rank,
-            num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda",
-        )
+        several = user_loaders.each_loader(dataset)
+        if stage == "predict" and len(several) > 1:
+            raise ConfigError(
+                f"{source}(): {len(several)} loaders; unifit predicts one dataset at a time in dataset order: "
+                "call predict once per loader (dataloaders=...)"
+            )
+        self.eval_loaders = [
+            user_loaders.evaluation_loader(
+                each,
+                f"{source}()",
+                batch_size=cfg.batch_size,
+                world_size=world,
+                rank=rank,
+                num_workers=cfg.num_workers,
+                pin_memory=self.device.type == "cuda",
+            )
+            for each in several
+        ]
         self._limit = cfg.limit_val_batches if stage == "validate" else None
         self._same_weights_everywhere()
 
@@ -86,18 +97,26 @@ class TorchEvaluation:
 
     def eval_batches(self) -> Iterator[Any]:
         self.module.eval()
-        for i, batch in enumerate(self.eval_loader):
-            if self._limit is not None and i >= self._limit:
-                break
-            yield tdata.to_device(batch, self.device) if self._move else batch
+        yield from self._batches_of(self.eval_loaders, self._limit)
+
+    def _batches_of(self, loaders: list[Any], limit: int | None) -> Iterator[Any]:
+        """Each loader's batches in turn, on the device; `_position` is the step's (batch_idx, [dataloader_idx])
+        for the batch just yielded: the index within its loader, and which loader when there are several."""
+        for index, loader in enumerate(loaders):
+            for i, batch in enumerate(loader):
+                if limit is not None and i >= limit:
+                    break
+                self._position = (i,) if len(loaders) == 1 else (i, index)
+                yield tdata.to_device(batch, self.device) if self._move else batch
 
     def eval_indices(self) -> Sequence[int]:
-        return user_loaders.shard_indices(self.eval_loader)
+        return user_loaders.shard_indices(self.eval_loaders[0])
 
     def eval_step(self, batch: Any, batch_idx: int) -> Any:
+        """As validation_step: the position within the batch's loader (and which loader)."""
         self.collector.batch_count = tdata.batch_size_of(batch)
         with torch.no_grad(), self.precision.autocast():
-            return self._eval_step(batch, batch_idx)
+            return self._eval_step(batch, *self._position)
 
     def unbatch(self, outputs: Any) -> list[Any]:
         """One output per sample: tensors split along the batch dimension (tuples and dicts of them too)."""

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from unifit.errors import ConfigError
+from unifit.frameworks.torch.data import batch_size_of
 from unifit.frameworks.torch.module import TrainModule
-from unifit.frameworks.torch.step_seams import STEP_HOOKS
+from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepOptimizer
+from unifit.frameworks.torch.user_loaders import Several
 from unifit.strategies import environment
 
 # overrides refused: `backward` would have to receive the precision's scaled loss and skip fsdp's
@@ -35,6 +37,7 @@ _TRAINER_FACTS = (
     "num_nodes",
     "is_global_zero",
     "max_epochs",
+    "max_steps",
     "callback_metrics",
     "logged_metrics",
     "training",
@@ -70,7 +73,10 @@ def _derives_from(obj: Any, name: str) -> bool:
 
 
 def _overrides(obj: Any, hook: str) -> bool:
-    """True when `hook` is defined below Lightning's base classes (by the user, or a demo module)."""
+    """True when `hook` is defined below Lightning's base classes (by the user, or a demo module), or set on
+    the instance (LightningDataModule.from_datasets sets its loaders so)."""
+    if hook in getattr(obj, "__dict__", {}):
+        return True
     for cls in type(obj).__mro__:
         if hook in vars(cls):
             return not cls.__module__.startswith(("lightning.pytorch.core", "pytorch_lightning.core", "torch."))
@@ -123,6 +129,12 @@ class TrainerView:
     @property
     def current_epoch(self) -> int:
         return self.epoch
+
+    @property
+    def max_steps(self) -> int:
+        """Lightning's: -1 when the fit is not limited by steps."""
+        limit = self.ctx.config.max_steps if self.ctx is not None else None
+        return -1 if limit is None else limit
 
     @property
     def global_step(self) -> int:
@@ -190,7 +202,7 @@ class _StrategyView:
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return self._view._seams().step(getattr(optimizer, "optimizer", optimizer), closure)
+        return self._view._seams().step(_unwrapped(optimizer), closure)
 
     def __getattr__(self, name: str) -> Any:
         raise ConfigError(
@@ -207,13 +219,13 @@ class _PrecisionView:
         self._view = view
 
     def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        self._view._seams().clip(getattr(optimizer, "optimizer", optimizer), clip_val, gradient_clip_algorithm)
+        self._view._seams().clip(_unwrapped(optimizer), clip_val, gradient_clip_algorithm)
 
 
 class LightningAdapter(TrainModule):
     """A LightningModule (with its LightningDataModule, if any) as a unifit TrainModule."""
 
-    def __init__(self, lightning_module: Any, datamodule: Any = None) -> None:
+    def __init__(self, lightning_module: Any, datamodule: Any = None, given: Any = None) -> None:
         super().__init__()
         name = type(lightning_module).__name__
         overridden = [hook for hook in _REFUSED_HOOKS if _overrides(lightning_module, hook)]
@@ -225,11 +237,13 @@ class LightningAdapter(TrainModule):
             )
         self.lightning = lightning_module
         self.datamodule = datamodule
+        self.given = given  # loaders passed to fit/validate/test/predict (trainer/adapt.py's GivenData), or None
         self.view = TrainerView()
         lightning_module.trainer = self.view  # also reaches nested LightningModules
         lightning_module.log = self._log  # instance attributes: the class and other instances stay Lightning's
         lightning_module.log_dict = self._log_dict
-        self._in_step = False
+        self._loader_idx: int | None = None  # which of several evaluation loaders the step's batch is from
+        self._scope: str | None = None  # where self.log is called from: "step", "epoch" or elsewhere (None)
         self._prepared = False
         self.stage = "fit"
         self.hooks: list[Any] = []
@@ -268,6 +282,10 @@ class LightningAdapter(TrainModule):
     @property
     def automatic_optimization(self) -> bool:  # type: ignore[override]
         return bool(self.lightning.automatic_optimization)
+
+    def overrides(self, hook: str) -> bool:
+        """Whether the LightningModule defines `hook` itself."""
+        return _overrides(self.lightning, hook)
 
     def step_hooks(self) -> set[str]:
         return {h for h in (*STEP_HOOKS, "lr_scheduler_step") if _overrides(self.lightning, h)}
@@ -313,11 +331,23 @@ class LightningAdapter(TrainModule):
             )
         return out
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        lm = self.lightning
-        lm.on_test_batch_start(batch, batch_idx)
-        out = self._call_step(lm.test_step, batch, batch_idx)
-        lm.on_test_batch_end(out, batch, batch_idx)
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
+        self._evaluation_step("test", batch, batch_idx, dataloader_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
+        self._evaluation_step("validation", batch, batch_idx, dataloader_idx)
+
+    def _evaluation_step(self, name: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
+        """Lightning's batch hooks around the step; with several loaders each gets `dataloader_idx`, and what it
+        logs is named `<key>/dataloader_idx_<i>`, as Lightning names it."""
+        lm, more = self.lightning, () if dataloader_idx is None else (dataloader_idx,)
+        self._loader_idx = dataloader_idx
+        try:
+            self._call_step(getattr(lm, f"on_{name}_batch_start"), batch, batch_idx, *more)
+            out = self._call_step(getattr(lm, f"{name}_step"), batch, batch_idx, *more)
+            self._call_step(getattr(lm, f"on_{name}_batch_end"), out, batch, batch_idx, *more)
+        finally:
+            self._loader_idx = None
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
         lm = self.lightning
@@ -330,30 +360,39 @@ class LightningAdapter(TrainModule):
         """Lightning's order: on_<stage>_start, on_<stage>_epoch_start (validate: 'validation')."""
         self.view.training = False
         name = _HOOK_STAGE[stage]
-        getattr(self.lightning, f"on_{name}_start")()
-        getattr(self.lightning, f"on_{name}_epoch_start")()
+        self.call_epoch_hook(getattr(self.lightning, f"on_{name}_start"))
+        self.call_epoch_hook(getattr(self.lightning, f"on_{name}_epoch_start"))
 
     def on_evaluation_end(self, stage: str) -> None:
         name = _HOOK_STAGE[stage]
-        getattr(self.lightning, f"on_{name}_epoch_end")()
+        self.call_epoch_hook(getattr(self.lightning, f"on_{name}_epoch_end"))  # reduced after this (evaluation.py)
         getattr(self.lightning, f"on_{name}_end")()
         for part in (self.datamodule, self.lightning):
             if part is not None:
                 part.teardown(stage)
 
     def _call_step(self, step: Any, *args: Any) -> Any:
-        """A step, or a hook inside the step: where self.log is allowed (its values count for this batch)."""
-        outer, self._in_step = self._in_step, True  # hooks run inside training_step (manual_backward)
-        try:
-            return step(*args)
-        finally:
-            self._in_step = outer
+        """A step, a batch hook or a hook inside the step: self.log's values count for this batch."""
+        return self._call_in("step", step, *args)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        lm = self.lightning
-        lm.on_validation_batch_start(batch, batch_idx)
-        out = self._call_step(lm.validation_step, batch, batch_idx)
-        lm.on_validation_batch_end(out, batch, batch_idx)
+    def call_epoch_hook(self, hook: Any, *args: Any) -> Any:
+        """An epoch-level hook (on_train_epoch_end, on_validation_epoch_start...): self.log's values count
+        once per rank (batch_size 1 unless given), reduced over the ranks as sync_dist does."""
+        return self._call_in("epoch", hook, *args)
+
+    def call_batch_hook(self, hook: Any, batch: Any, *args: Any) -> Any:
+        """on_train_batch_start/end and the like: self.log's values count for `batch`'s samples."""
+        if self._unifit_collector is not None:
+            self._unifit_collector.batch_count = batch_size_of(batch)
+        return self._call_in("step", hook, batch, *args)
+
+    def _call_in(self, scope: str, fn: Any, *args: Any) -> Any:
+        outer = self._scope
+        self._scope = outer or scope  # hooks inside a step (manual_backward's) count with the step
+        try:
+            return fn(*args)
+        finally:
+            self._scope = outer
 
     def configure_optimizers(self) -> Any:
         self.view.estimated_stepping_batches = self.stepping_batches  # for OneCycleLR(total_steps=...) and the like
@@ -378,6 +417,10 @@ class LightningAdapter(TrainModule):
         return self._loader("predict_dataloader", required=True)
 
     def _loader(self, hook: str, required: bool) -> Any:
+        several_ok = hook in ("val_dataloader", "test_dataloader")  # evaluated one after another
+        passed = getattr(self.given, hook.removesuffix("_dataloader"), None)
+        if passed is not None:
+            return _one_or_several(passed, f"{hook}s", several_ok)
         owner = next((p for p in (self.datamodule, self.lightning) if p is not None and _overrides(p, hook)), None)
         if owner is None:
             if required:
@@ -386,15 +429,7 @@ class LightningAdapter(TrainModule):
                     "LightningDataModule (data: in the YAML, Trainer.fit(module, data=...))"
                 )
             return None
-        loader = getattr(owner, hook)()
-        if isinstance(loader, (list, tuple, dict)):
-            if len(loader) != 1:
-                raise ConfigError(
-                    f"{type(owner).__name__}.{hook}() returned {len(loader)} loaders; unifit trains "
-                    "and validates on one loader: combine them into one dataset"
-                )
-            loader = next(iter(loader.values())) if isinstance(loader, dict) else loader[0]
-        return loader
+        return _one_or_several(getattr(owner, hook)(), f"{type(owner).__name__}.{hook}()", several_ok)
 
     # ---- logging -------------------------------------------------------------------------------
     def _log(
@@ -414,22 +449,22 @@ class LightningAdapter(TrainModule):
         metric_attribute: str | None = None,
         rank_zero_only: bool = False,
     ) -> None:
-        """Lightning's self.log: an epoch mean over every rank, weighted by `batch_size` (exact, so
-        sync_dist is always on), or a torchmetrics Metric computed over every rank's states at the
-        epoch's end; on_step / prog_bar / logger only change where Lightning shows it."""
-        where = f"{type(self.lightning).__name__}: self.log({name!r}, ...)"
-        if reduce_fx not in ("mean", torch.mean):
+        """Lightning's self.log, always synced over the ranks (sync_dist=True): by default an epoch mean over every
+        rank weighted by `batch_size`, "sum" / "max" / "min" over every step of every rank, rank 0's value with
+        rank_zero_only, or a torchmetrics Metric computed over every rank's states at the epoch's end. In an
+        epoch-level hook a value counts once per rank. on_step / prog_bar / logger only change where Lightning
+        shows it."""
+        if self._scope is None:
             raise ConfigError(
-                f"{where}: reduce_fx={reduce_fx!r}; unifit logs sample-weighted means over all ranks "
-                "only: log the values to average, or compute the statistic yourself"
+                f"{type(self.lightning).__name__}: self.log({name!r}, ...) outside the hooks where Lightning allows it "
+                "(the steps, the batch hooks, on_train_start, on_{train,validation,test}_epoch_{start,end}, "
+                "on_{validation,test}_start and the hooks around backward and the optimizer step): move it into one"
             )
-        if not self._in_step:
-            raise ConfigError(
-                f"{where} outside a step or a hook inside it (on_before_backward, on_after_backward, "
-                "on_before_optimizer_step, on_before_zero_grad): unifit reduces metrics when the loop ends; "
-                "log inside a step (the epoch mean over all ranks is computed for you)"
-            )
-        self.log(name, value, batch_size=batch_size)
+        if batch_size is None and self._scope == "epoch":
+            batch_size = 1
+        if add_dataloader_idx and self._loader_idx is not None:
+            name = f"{name}/dataloader_idx_{self._loader_idx}"
+        self.log(name, value, batch_size=batch_size, reduce_fx=reduce_fx, rank_zero_only=rank_zero_only)
 
     def _log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
         for name, value in dictionary.items():
@@ -449,3 +484,28 @@ class LightningAdapter(TrainModule):
                 f"callbacks ({kinds}); unifit runs unifit.Callback subclasses (trainer.callbacks)"
             )
         return list(self.hooks)
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside a LightningOptimizer or a StepOptimizer; any other optimizer as it is (an
+    optimizer that wraps another one, a Lookahead say, is the one configure_optimizers returned)."""
+    if isinstance(optimizer, StepOptimizer) or type(optimizer).__name__ == "LightningOptimizer":
+        return optimizer.optimizer
+    return optimizer
+
+
+def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:
+    """One loader, or Several for validation and test (a list or dict of them, in order, as Lightning's
+    sequential CombinedLoader runs them); training takes one (Lightning's "max_size_cycle" of several training
+    loaders is refused)."""
+    if not isinstance(loaders, (list, tuple, dict)):
+        return loaders
+    loaders = list(loaders.values()) if isinstance(loaders, dict) else list(loaders)
+    if len(loaders) == 1:
+        return loaders[0]
+    if not several_ok:
+        raise ConfigError(
+            f"{what} returned {len(loaders)} loaders; unifit trains on one loader (and predicts one at a time): "
+            "combine them into one dataset (torch.utils.data.ConcatDataset)"
+        )
+    return Several(loaders)

@@ -27,6 +27,15 @@ from unifit.frameworks.torch.data import ResumableSampler, ShardSampler, as_data
 from unifit.frameworks.torch.user_samplers import ShardedBatchSampler, ShardedUserSampler
 
 
+class Several(list):
+    """Several loaders for one evaluation stage (a LightningModule's list of val or test dataloaders): run one
+    after another, each sharded on its own, the step told which (`dataloader_idx`)."""
+
+
+def each_loader(data: Any) -> list[Any]:
+    return list(data) if isinstance(data, Several) else [data]
+
+
 def is_loader(data: Any) -> bool:
     return isinstance(data, DataLoader)
 

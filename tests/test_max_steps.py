@@ -1,0 +1,87 @@
+"""Step-based training: trainer.max_steps stops mid-epoch (validated and checkpointed there), spans as many epochs
+as it takes when max_epochs is not set, sizes the schedules (estimated_stepping_batches), and a crash resumed from
+a step checkpoint ends where the uninterrupted run ends; under ddp and a Keras strategy through the same loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+import unifit
+from tests.helpers import assert_ok, launch_probe
+from unifit import Trainer
+
+QUIET = {"progress_bar": False, "tensorboard": {"enabled": False}}
+
+
+class _Stepped(BoringModel):
+    """BoringModel (64 batches of 1 an epoch) with a OneCycleLR sized as Lightning's tutorials size it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sized_for: int | None = None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.step(batch))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.layer.parameters(), lr=0.1)
+        self.sized_for = self.trainer.estimated_stepping_batches
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=self.sized_for)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _CrashAt(unifit.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, ctx, loss, batch_idx) -> None:
+        if ctx.progress.optimizer_step == self.step:
+            raise RuntimeError(f"simulated crash at step {self.step}")
+
+
+def _fit(root, module=None, ckpt_path=None, **options) -> tuple[_Stepped, unifit.TrainState]:
+    torch.manual_seed(0)
+    module = module or _Stepped()
+    trainer = Trainer(strategy="single", root_dir=str(root), **QUIET, **options)
+    return module, trainer.fit(module, BoringDataModule(), ckpt_path=ckpt_path)
+
+
+def _jsonl(root) -> list[dict]:
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(180)
+def test_max_steps_stops_mid_epoch_spans_epochs_and_resumes_exactly(tmp_path):
+    module, state = _fit(tmp_path / "a", max_steps=150)  # max_epochs not set: the 3 epochs 150 steps span
+    assert state.progress.optimizer_step == 150 and state.progress.epoch == 3 and module.sized_for == 150
+    lines = _jsonl(tmp_path / "a")
+    assert [(line["epoch"], line["step"]) for line in lines] == [(1, 64), (2, 128), (3, 150)]
+    assert all("val_loss" in line for line in lines)  # validated at the stop too, mid-epoch
+    assert module.trainer.max_steps == 150
+
+    few, state = _fit(tmp_path / "b", max_steps=150, max_epochs=1)  # whichever comes first
+    assert state.progress.optimizer_step == 64 and few.sized_for == 64
+
+    crashed = tmp_path / "c"
+    with pytest.raises(RuntimeError, match="simulated crash at step 110"):
+        _fit(crashed, max_steps=150, checkpoint={"every_n_steps": 50}, callbacks=[_CrashAt(110)])
+    resumed, state = _fit(crashed, max_steps=150, checkpoint={"every_n_steps": 50}, ckpt_path="last")
+    assert state.progress.optimizer_step == 150
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0)
+    _, again = _fit(crashed, max_steps=150, checkpoint={"every_n_steps": 50}, ckpt_path="last")
+    assert again.progress.optimizer_step == 150  # resumed at max_steps: nothing more to train
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "mirrored"])
+def test_max_steps_under_a_torch_and_a_keras_strategy(tmp_path, strategy):
+    """The probe: 64 samples of batch 8 on 2 replicas, 4 steps an epoch; 6 steps end mid-way through epoch 2."""
+    assert_ok(launch_probe(strategy, tmp_path, "--trainer.max_steps", "6", "--trainer.checkpoint.enabled", "false"))
+    lines = _jsonl(tmp_path)
+    assert [(line["epoch"], line["step"]) for line in lines] == [(1, 4), (2, 6)]
+    assert all("val/loss" in line for line in lines)
