@@ -403,3 +403,38 @@ def test_an_optimizer_that_wraps_another_is_stepped_itself(tmp_path):
     module = _ManualWithWrapper()
     Trainer(strategy="single", max_epochs=1, root_dir=str(tmp_path), checkpoint={"enabled": False}, **QUIET).fit(module)
     assert module.wrapper.steps == 64  # BoringDataModule's 64 batches of 1, one opt.step() each
+
+
+class _LogsPerStep(BoringModel):
+    def training_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log("by_default", loss)  # training_step: on_step by default, as in Lightning
+        self.log("asked", 2.0 * batch_idx, on_step=True, on_epoch=True)
+        self.log("epoch_only", loss, on_step=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_x", 1.0)  # validation: epoch only by default
+
+
+@pytest.mark.timeout(120)
+def test_values_logged_per_step_are_written_per_step_in_tensorboard(tmp_path):
+    """Read back with TensorBoard's own reader: <name>_step at every log_every_n_steps, the epoch value as <name>."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    Trainer(
+        strategy="single",
+        max_epochs=1,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        checkpoint={"enabled": False},
+        tensorboard={"log_every_n_steps": 16},
+    ).fit(_LogsPerStep())
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"by_default_step", "asked_step", "by_default", "asked", "epoch_only", "val_x"} <= tags, sorted(tags)
+    assert not {"epoch_only_step", "val_x_step"} & tags
+    asked = acc.Scalars("asked_step")  # 64 batches of 1: written after steps 16, 32, 48, 64 (batch_idx = step - 1)
+    assert [(e.step, e.value) for e in asked] == [(s, 2.0 * (s - 1)) for s in (16, 32, 48, 64)]
+    assert [e.value for e in acc.Scalars("asked")] == [63.0]  # the epoch mean of 2 x batch_idx

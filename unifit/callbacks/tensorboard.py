@@ -82,7 +82,8 @@ class TensorBoardLogger(Callback):
         if step < self._next_step:
             return
         self._next_step = step + self.every
-        self.scalars({"train/loss_step": float(loss), "lr_step": ctx.current_lrs()[0]}, step)
+        logged = {name: float(value) for name, value in ctx.step_metrics().items()}  # self.log(..., on_step=True)
+        self.scalars({**logged, "train/loss_step": float(loss), "lr_step": ctx.current_lrs()[0]}, step)
 
     def on_epoch_end(self, ctx: Any) -> None:
         self.scalars({**ctx.state.metrics, "epoch": ctx.state.epoch}, ctx.state.global_step)

@@ -30,6 +30,7 @@ class ModuleBase:
     engine: ClassVar[str]
 
     _unifit_collector: Any = None
+    _step_values: dict[str, Any] | None = None  # logged with on_step=True since the loggers last read them
     # optimizer steps the fit will take (steps per epoch x max_epochs), set before configure_optimizers
     # runs, for schedules that need the total (OneCycleLR); None outside fit
     stepping_batches: int | None = None
@@ -66,15 +67,26 @@ class ModuleBase:
         batch_size: int | None = None,
         reduce_fx: str = "mean",
         rank_zero_only: bool = False,
+        on_step: bool = False,
     ) -> None:
         """Record a metric, reduced over the epoch and all ranks: by default a mean weighted by samples
         (`batch_size`, by default the size of the current batch); `reduce_fx` "sum", "max" or "min"
         over every step of every rank instead; `rank_zero_only`: rank 0's value alone (logged there).
+        `on_step`: also written per step, as `<name>_step` (rank 0's value, every log_every_n_steps).
         """
         collector = self._unifit_collector
         if collector is not None:
             fx = _reduction(name, reduce_fx)
-            collector.add(name, self._detach(value), batch_size or collector.batch_count, fx, rank_zero_only)
+            value = self._detach(value)
+            collector.add(name, value, batch_size or collector.batch_count, fx, rank_zero_only)
+            if on_step:
+                self.__dict__.setdefault("_step_values", {})[f"{name}_step"] = value
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The latest value of each metric logged with on_step=True since the last call (this rank's; values as
+        logged, so that reading them is the caller's one device sync)."""
+        values = self.__dict__.pop("_step_values", None)
+        return values or {}
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():

@@ -24,6 +24,8 @@ class FitContext:
     model_files: Callable[[], dict[str, bytes]]
     # what the module logged since the last reduce, reduced over the ranks (a collective: every rank calls it)
     reduce_logged: Callable[[], dict[str, float]]
+    # what the module logged with on_step=True since the last call: {"<name>_step": value}, this rank's
+    step_metrics: Callable[[], dict[str, Any]]
     # the run
     resolved_config: str  # the experiment as YAML, saved with the run
     last_checkpoint: str | None = None  # the newest checkpoint saved or resumed from (same on every rank)

@@ -116,6 +116,7 @@ class Trainer:
                 resolved_config=self._resolved_config(given, cfg),
                 threads=engine.threads,
                 reduce_logged=lambda: engine.collector.reduce(strategy),
+                step_metrics=module.step_metrics,
             )
             run = self._run = _Run(Checkpointer(engine, strategy, cfg, callbacks), ctx)
             if ckpt_path or cfg.resume:

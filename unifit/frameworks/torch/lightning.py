@@ -452,8 +452,8 @@ class LightningAdapter(TrainModule):
         """Lightning's self.log, always synced over the ranks (sync_dist=True): by default an epoch mean over every
         rank weighted by `batch_size`, "sum" / "max" / "min" over every step of every rank, rank 0's value with
         rank_zero_only, or a torchmetrics Metric computed over every rank's states at the epoch's end. In an
-        epoch-level hook a value counts once per rank. on_step / prog_bar / logger only change where Lightning
-        shows it."""
+        epoch-level hook a value counts once per rank. Values logged per step (on_step, by default in training)
+        are also written per step as `<name>_step` (rank 0's); prog_bar and logger change nothing."""
         if self._scope is None:
             raise ConfigError(
                 f"{type(self.lightning).__name__}: self.log({name!r}, ...) outside the hooks where Lightning allows it "
@@ -464,7 +464,11 @@ class LightningAdapter(TrainModule):
             batch_size = 1
         if add_dataloader_idx and self._loader_idx is not None:
             name = f"{name}/dataloader_idx_{self._loader_idx}"
-        self.log(name, value, batch_size=batch_size, reduce_fx=reduce_fx, rank_zero_only=rank_zero_only)
+        # per step too where Lightning logs per step: asked for, or by default in training (not in epoch hooks)
+        per_step = self._scope == "step" and (on_step if on_step is not None else self.view.training)
+        self.log(
+            name, value, batch_size=batch_size, reduce_fx=reduce_fx, rank_zero_only=rank_zero_only, on_step=per_step
+        )
 
     def _log_dict(self, dictionary: dict[str, Any], **kwargs: Any) -> None:
         for name, value in dictionary.items():
