@@ -1,6 +1,7 @@
 """Step-based training: trainer.max_steps stops mid-epoch (validated and checkpointed there), spans as many epochs
 as it takes when max_epochs is not set, sizes the schedules (estimated_stepping_batches), and a crash resumed from
-a step checkpoint ends where the uninterrupted run ends; under ddp and a Keras strategy through the same loop."""
+a step checkpoint ends where the uninterrupted run ends; trainer.val_check_interval validates inside the epochs
+without changing the training; under ddp and a Keras strategy through the same loop."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ class _Stepped(BoringModel):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class _CountsValidations(_Stepped):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated_at: list[tuple[int, int]] = []
+
+    def on_validation_start(self) -> None:
+        self.validated_at.append((self.current_epoch, self.global_step))
+
+
 class _CrashAt(unifit.Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -43,9 +53,9 @@ class _CrashAt(unifit.Callback):
             raise RuntimeError(f"simulated crash at step {self.step}")
 
 
-def _fit(root, module=None, ckpt_path=None, **options) -> tuple[_Stepped, unifit.TrainState]:
-    torch.manual_seed(0)
-    module = module or _Stepped()
+def _fit(root, make=_Stepped, ckpt_path=None, **options) -> tuple[_Stepped, unifit.TrainState]:
+    torch.manual_seed(0)  # the same initial weights in every run
+    module = make()
     trainer = Trainer(strategy="single", root_dir=str(root), **QUIET, **options)
     return module, trainer.fit(module, BoringDataModule(), ckpt_path=ckpt_path)
 
@@ -77,11 +87,40 @@ def test_max_steps_stops_mid_epoch_spans_epochs_and_resumes_exactly(tmp_path):
     assert again.progress.optimizer_step == 150  # resumed at max_steps: nothing more to train
 
 
+@pytest.mark.timeout(180)
+def test_val_check_interval_validates_inside_epochs_without_changing_the_training(tmp_path):
+    plain, _ = _fit(tmp_path / "plain", max_epochs=2)
+    for interval, inside in ((16, (16, 32, 48)), (0.5, (32,))):
+        module, state = _fit(
+            tmp_path / str(interval), make=_CountsValidations, max_epochs=2, val_check_interval=interval
+        )
+        expected = [(epoch, 64 * epoch + at) for epoch in (0, 1) for at in (*inside, 64)]
+        assert module.validated_at == expected, interval
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(module.state_dict()[key], value, rtol=0, atol=0)
+        assert _jsonl(tmp_path / str(interval))[-1]["val_loss"] == _jsonl(tmp_path / "plain")[-1]["val_loss"]
+    with pytest.raises(unifit.ConfigError, match="inside a window of accumulate_grad_batches=3; validate between"):
+        _fit(tmp_path / "bad", max_epochs=1, val_check_interval=16, accumulate_grad_batches=3)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "mirrored"])
-def test_max_steps_under_a_torch_and_a_keras_strategy(tmp_path, strategy):
-    """The probe: 64 samples of batch 8 on 2 replicas, 4 steps an epoch; 6 steps end mid-way through epoch 2."""
-    assert_ok(launch_probe(strategy, tmp_path, "--trainer.max_steps", "6", "--trainer.checkpoint.enabled", "false"))
+def test_max_steps_and_val_check_interval_under_a_torch_and_a_keras_strategy(tmp_path, strategy):
+    """The probe: 64 samples of batch 8 on 2 replicas, 4 steps an epoch; 6 steps end mid-way through epoch 2;
+    validations after batch 2 and 4 of epoch 1, and at the stop (batch 2 of epoch 2), alike on every rank."""
+    log = {"class_path": "tests.probe.probe.ValidationLog", "init_args": {"out_dir": str(tmp_path / "v")}}
+    overrides = [
+        "--trainer.max_steps",
+        "6",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.checkpoint.enabled",
+        "false",
+    ]
+    assert_ok(launch_probe(strategy, tmp_path, *overrides, callbacks=[log]))
     lines = _jsonl(tmp_path)
     assert [(line["epoch"], line["step"]) for line in lines] == [(1, 4), (2, 6)]
     assert all("val/loss" in line for line in lines)
+    seen = [json.loads(f.read_text()) for f in sorted((tmp_path / "v").glob("validations_*.json"))]
+    assert [(epoch, batch) for epoch, batch, _ in seen[0]] == [(0, 2), (0, 4), (1, 2)]
+    assert all(ranks == seen[0] for ranks in seen)  # the same validations and values on every rank

@@ -264,3 +264,18 @@ class StreamProbe(ProbeModule):
 
     def val_dataset(self):
         return Stream(self.n_val, seed=2)
+
+
+class ValidationLog(unifit.Callback):
+    """Writes validations_<rank>.json at the end of fit: (epoch, batch in epoch, val/loss) of every validation."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.seen = out_dir, []
+
+    def on_validation_end(self, ctx) -> None:
+        self.seen.append([ctx.progress.epoch, ctx.progress.batch_in_epoch, ctx.state.metrics["val/loss"]])
+
+    def on_fit_end(self, ctx) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"validations_{ctx.rank}.json"), "w") as f:
+            json.dump(self.seen, f)

@@ -6,7 +6,7 @@ Every option lives in a small model here; `docs/config.md` is generated from the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -179,6 +179,10 @@ class TrainerConfig(_Strict):
         None, description="Use at most this many validation batches (0 turns validation off)."
     )
     validate_every_n_epochs: PositiveInt = Field(1, description="Run validation after every N-th epoch (and the last).")
+    val_check_interval: PositiveInt | Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None,
+        description="Also validate inside the epochs that validate (Lightning's): every N training batches (an int, a multiple of accumulate_grad_batches), or every such fraction of an epoch (a float in (0, 1]); the epoch's end (and the fit's) still validates.",
+    )
     progress_bar: bool = Field(True, description="Show a progress bar on rank 0 (only when attached to a terminal).")
     export_dir: str | None = Field(
         None,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -50,6 +51,19 @@ class Engine(ABC):
         epochs = min(cfg.max_epochs, spanned) if "max_epochs" in cfg.model_fields_set else spanned
         self.config = cfg.model_copy(update={"max_epochs": epochs})
         return min(cfg.max_steps, steps_per_epoch * epochs)
+
+    @contextmanager
+    def separate_metrics(self) -> Iterator[None]:
+        """A collector of its own for a validation (what the module logs there), so that one run inside a
+        training epoch leaves the epoch's training metrics accumulating in theirs."""
+        kept = self.collector
+        self.collector = MetricCollector(self.to_numpy)
+        self.module.collect_into(self.collector)
+        try:
+            yield
+        finally:
+            self.collector = kept
+            self.module.collect_into(kept)
 
     @property
     def threads(self) -> int:

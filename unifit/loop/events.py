@@ -10,6 +10,7 @@ The fit loop, as pseudocode (`Trainer.fit` follows it line by line):
             train_batch_start
             loss = training_step(batch); backward; every k-th micro-batch: optimizer step
             train_batch_end                 # at max_steps the epoch ends here (validated, checkpointed)
+            every val_check_interval batches: validation_start ... validation_end (as below)
         train_epoch_end                     # train metrics averaged over ranks are known
         if validating this epoch:
             validation_start

@@ -204,6 +204,7 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
         cfg, state, progress = ctx.config, ctx.state, ctx.state.progress  # this fit's (max_steps: its epochs)
+        check_every = _val_check_batches(cfg, progress.batches_per_epoch)
         for epoch in range(progress.epoch, cfg.max_epochs):
             if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:
                 break  # resumed from a checkpoint taken at max_steps
@@ -214,6 +215,7 @@ class Trainer:
                 dispatch.handlers(Event.TRAIN_BATCH_END),
             )
             started = time.perf_counter()
+            validates = engine.has_validation and (epoch + 1) % cfg.validate_every_n_epochs == 0
             for batch_idx, batch in enumerate(engine.train_batches(epoch, skip), start=skip):
                 for hook in batch_start:
                     hook(ctx, batch, batch_idx)
@@ -222,12 +224,15 @@ class Trainer:
                 progress.optimizer_step = engine.optimizer_steps
                 for hook in batch_end:
                     hook(ctx, loss, batch_idx)
-                if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:
-                    state.request_stop(
-                        f"max_steps={cfg.max_steps} reached"
-                    )  # validated and checkpointed as an epoch end
+                if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:  # an early epoch end
+                    state.request_stop(f"max_steps={cfg.max_steps} reached")
                 if state.should_stop:
                     break
+                if validates and check_every and (batch_idx + 1) % check_every == 0:
+                    if batch_idx + 1 < progress.batches_per_epoch:  # the epoch's end validates anyway
+                        validating = time.perf_counter()
+                        self._validate(engine, strategy, dispatch, ctx)
+                        started += time.perf_counter() - validating  # not counted in the training throughput
             engine.end_of_epoch()
             metrics = engine.collector.reduce(strategy)
             # the slowest rank's time, so every rank holds identical metrics
@@ -239,13 +244,9 @@ class Trainer:
             state.metrics = metrics
             dispatch(Event.TRAIN_EPOCH_END)
             last = epoch + 1 == cfg.max_epochs or state.should_stop
-            validate = engine.has_validation and ((epoch + 1) % cfg.validate_every_n_epochs == 0 or last)
+            validate = validates or (engine.has_validation and last)
             if validate:
-                dispatch(Event.VALIDATION_START)
-                for batch_idx, batch in enumerate(engine.val_batches()):
-                    engine.validation_step(batch, batch_idx)
-                state.metrics.update(engine.collector.reduce(strategy))
-                dispatch(Event.VALIDATION_END)
+                self._validate(engine, strategy, dispatch, ctx)
             engine.epoch_metrics(state.metrics, validate)
             state.metrics.update(_lr_metrics(engine))  # a metric-driven schedule may have changed them
             progress.epoch = epoch + 1
@@ -254,6 +255,15 @@ class Trainer:
             if state.should_stop:
                 log.info("stopping after epoch %d: %s", progress.epoch, state.stop_reason)
                 break
+
+    def _validate(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
+        """One pass over the validation data, its metrics (reduced over the ranks) into the state's."""
+        dispatch(Event.VALIDATION_START)
+        with engine.separate_metrics():  # inside an epoch, the training metrics keep accumulating in theirs
+            for batch_idx, batch in enumerate(engine.val_batches()):
+                engine.validation_step(batch, batch_idx)
+            ctx.state.metrics.update(engine.collector.reduce(strategy))
+            dispatch(Event.VALIDATION_END)  # what the module logs at its epoch end is reduced there too
 
     # ---- helpers -------------------------------------------------------------------------------
     def _callbacks(self, module: Any) -> list[Callback]:
@@ -341,6 +351,21 @@ def _progress_of(engine: Any, accumulate: int) -> Progress:
         batches_per_epoch=engine.batches_per_epoch,
         steps_per_epoch=-(-engine.batches_per_epoch // accumulate),
     )
+
+
+def _val_check_batches(cfg: TrainerConfig, batches_per_epoch: int) -> int | None:
+    """Training batches between two validations inside an epoch (trainer.val_check_interval), or None."""
+    interval = cfg.val_check_interval
+    if interval is None:
+        return None
+    every = interval if isinstance(interval, int) else max(1, int(batches_per_epoch * interval))
+    if every % cfg.accumulate_grad_batches:
+        raise ConfigError(
+            f"trainer.val_check_interval: {interval} gives a validation every {every} batches, inside a window of "
+            f"accumulate_grad_batches={cfg.accumulate_grad_batches}; validate between optimizer steps: give a "
+            f"multiple of {cfg.accumulate_grad_batches} batches"
+        )
+    return every
 
 
 def _lr_metrics(engine: Any) -> dict[str, float]:

@@ -361,9 +361,11 @@ class TorchEngine(TorchEvaluation, Engine):
 
     # ---- validation ---------------------------------------------------------------------
     def val_batches(self) -> Iterator[Any]:
+        training = self.module.training  # inside an epoch (val_check_interval), training goes on after
         self.module.eval()
         self._rank_zero_buffers()
         yield from self._batches_of(self.val_loaders, self.config.limit_val_batches)
+        self.module.train(training)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """`batch_idx` counts within the batch's loader (and the step gets its `dataloader_idx` when there are
