@@ -62,6 +62,8 @@ def test_preempted_mid_epoch_resumes_exactly(tmp_path, case):
     said = [line for line in stopped.stderr.splitlines() if "preempted by SIGTERM" in line]
     assert len(said) >= 1, stopped.stderr[-3000:]
     last = json.loads((part / "checkpoints" / "last.json").read_text())["name"]
+    named = {line.split("checkpoint ", 1)[1].split(" is committed")[0] for line in said if " is committed" in line}
+    assert {path.rstrip("/").rsplit("/", 1)[-1] for path in named} == {last}, said  # every rank names the one saved
     progress = _saved_progress(part / "checkpoints" / last)
     assert progress["epoch"] == 1 and progress["batch_in_epoch"] == 1, progress  # mid-epoch 2, where it was stopped
 

@@ -53,11 +53,11 @@ class _CrashAt(unifit.Callback):
             raise RuntimeError(f"simulated crash at step {self.step}")
 
 
-def _fit(root, make=_Stepped, ckpt_path=None, **options) -> tuple[_Stepped, unifit.TrainState]:
+def _fit(root, make=_Stepped, ckpt_path=None, data="boring", **options) -> tuple[_Stepped, unifit.TrainState]:
     torch.manual_seed(0)  # the same initial weights in every run
     module = make()
     trainer = Trainer(strategy="single", root_dir=str(root), **QUIET, **options)
-    return module, trainer.fit(module, BoringDataModule(), ckpt_path=ckpt_path)
+    return module, trainer.fit(module, BoringDataModule() if data == "boring" else data, ckpt_path=ckpt_path)
 
 
 def _jsonl(root) -> list[dict]:
@@ -124,3 +124,50 @@ def test_max_steps_and_val_check_interval_under_a_torch_and_a_keras_strategy(tmp
     seen = [json.loads(f.read_text()) for f in sorted((tmp_path / "v").glob("validations_*.json"))]
     assert [(epoch, batch) for epoch, batch, _ in seen[0]] == [(0, 2), (0, 4), (1, 2)]
     assert all(ranks == seen[0] for ranks in seen)  # the same validations and values on every rank
+
+
+class _Endless(torch.utils.data.IterableDataset):
+    """A stream with no end and no __len__ (a generator, a message queue)."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        while True:
+            x = torch.randn(4, generator=g)
+            yield x, x.sum().reshape(1)
+
+
+class _StreamRegressor(unifit.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.validations = torch.nn.Linear(4, 1), 0
+
+    def train_dataset(self):
+        return _Endless()
+
+    def val_dataset(self):
+        return torch.utils.data.TensorDataset(torch.ones(8, 4), torch.full((8, 1), 4.0))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.validations += batch_idx == 0
+        self.log("val/mse", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.timeout(180)
+def test_an_endless_stream_trains_by_steps_validates_inside_and_resumes_exactly(tmp_path):
+    options = dict(max_steps=30, val_check_interval=10, batch_size=4, checkpoint={"every_n_steps": 10})
+    full, state = _fit(tmp_path / "full", make=_StreamRegressor, data=None, **options)
+    assert state.progress.optimizer_step == 30 and state.progress.epoch == 1 and full.validations == 3  # 10, 20, 30
+    with pytest.raises(RuntimeError, match="simulated crash at step 15"):
+        _fit(tmp_path / "crash", make=_StreamRegressor, data=None, callbacks=[_CrashAt(15)], **options)
+    resumed, state = _fit(tmp_path / "crash", make=_StreamRegressor, data=None, ckpt_path="last", **options)
+    assert state.progress.optimizer_step == 30
+    for key, value in full.state_dict().items():  # resumed mid-stream at step 10: the same batches after it
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0)

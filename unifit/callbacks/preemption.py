@@ -70,9 +70,9 @@ class Preemption(Callback):
         if not signum:
             return
         name = signal.Signals(signum).name
-        path = ctx.last_checkpoint
         if self.save and not _saved_now(ctx):
-            path = ctx.save_checkpoint() or path
+            ctx.save_checkpoint()  # sets last_checkpoint on every rank (it returns the path on rank 0 only)
+        path = ctx.last_checkpoint
         kept = f"checkpoint {path} is committed" if path else "no checkpoint was written"
         raise Preempted(
             f"preempted by {name} at step {ctx.progress.optimizer_step} (epoch {ctx.progress.epoch + 1}, "

@@ -96,7 +96,8 @@ class TorchEngine(TorchEvaluation, Engine):
                 world_size=shards[0],
                 rank=shards[1],
                 train=True,
-                limit=cfg.limit_train_batches,
+                # an endless stream trained by steps: one epoch of max_steps (Lightning's)
+                limit=cfg.limit_train_batches or (cfg.max_steps and cfg.max_steps * cfg.accumulate_grad_batches),
                 num_workers=cfg.num_workers,
                 pin_memory=pin,
             )

@@ -7,7 +7,7 @@ Each pair reads the whole stream and keeps its own batches: a dataset that can r
 (by file, say) should split itself instead and be given as unifit.data.FileShards.
 
 How a training epoch ends: every rank takes the same number of full batches, len(dataset) //
-batch_size // W (or trainer.limit_train_batches, required when the stream has no __len__); the
+batch_size // W (or trainer.limit_train_batches; without __len__ that, or max_steps' batches); the
 elements after the last such batch are not used that epoch. Validation takes every batch, the last
 partial one included (ranks may take one batch more or less; metrics are weighted by samples).
 """
@@ -114,8 +114,8 @@ def stream_loader(
             if not limit:
                 raise ConfigError(
                     f"{what}: the IterableDataset {type(stream).__name__} has no __len__, so no rank knows "
-                    "where an epoch ends; set trainer.limit_train_batches (batches per rank per "
-                    "epoch) or give the stream a __len__"
+                    "where an epoch ends; set trainer.max_steps (one epoch of that many steps), "
+                    "trainer.limit_train_batches (batches per rank per epoch), or give the stream a __len__"
                 ) from None
             per_epoch = limit
         if limit:
