@@ -28,6 +28,20 @@ def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def _lightning_trainer(max_epochs: int) -> L.Trainer:
+    """Lightning's own Trainer, quiet, on one CPU process: the reference."""
+    return L.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
 def _unifit(root, max_epochs: int, module=None, **kwargs) -> tuple[Regressor, dict]:
     module = module or _regressor()
     state = Trainer(strategy="single", max_epochs=max_epochs, batch_size=8, root_dir=str(root), **QUIET, **kwargs).fit(
@@ -39,16 +53,7 @@ def _unifit(root, max_epochs: int, module=None, **kwargs) -> tuple[Regressor, di
 @pytest.mark.timeout(120)
 def test_same_weights_hooks_and_metrics_as_lightnings_own_trainer(tmp_path):
     theirs = _regressor()
-    lightning_trainer = L.Trainer(
-        max_epochs=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    lightning_trainer = _lightning_trainer(3)
     lightning_trainer.fit(theirs)
     ours, metrics = _unifit(tmp_path, 3)
     for key, value in _weights(theirs).items():
@@ -359,16 +364,7 @@ def test_the_glue_tutorials_epoch_end_metrics_equal_lightnings(tmp_path):
         return GLUETransformer(vocab_size=VOCAB), SentencesData(4)
 
     module, data = build()
-    lightning_trainer = L.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    lightning_trainer = _lightning_trainer(2)
     lightning_trainer.fit(module, datamodule=data)
     theirs = {k: float(v) for k, v in lightning_trainer.callback_metrics.items()}
     module, data = build()
