@@ -1,8 +1,9 @@
 """The run directory, written by rank 0: the resolved config and one JSON line per epoch
 (with `elapsed_s`, training wall time that continues across resumes, for `unifit plot`).
 
-Works on any fsspec location: metrics.jsonl is rewritten whole each epoch (object stores
-cannot append; the file is one short line per epoch).
+Works on any fsspec location. On a local disk each epoch's line is appended (nothing is kept in
+memory, so a run of many thousand epochs costs no more per epoch than its first); an object store
+cannot append, so there metrics.jsonl is rewritten whole each epoch from the lines kept here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ class RunDirectory(Callback):
 
     def __init__(self, root_dir: str, storage_options: dict[str, Any] | None = None) -> None:
         self.fs, self.root = filesystem(root_dir, storage_options)
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # every line so far, where the file is rewritten whole (object stores)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self._appends = bool({"file", "local"} & set(protocols))
         self._started = 0.0
 
     def on_setup(self, ctx: Any) -> None:
@@ -36,15 +39,20 @@ class RunDirectory(Callback):
             before = json.loads(self.lines[-1]).get("elapsed_s", 0.0) if self.lines else 0.0
             self._started -= before
         self._write()
+        if self._appends:
+            self.lines = []  # on disk already: from now on each epoch's line is appended
 
     def on_epoch_end(self, ctx: Any) -> None:
         elapsed = round(time.monotonic() - self._started, 3)
-        self.lines.append(
-            json.dumps(
-                {"epoch": ctx.state.epoch, "step": ctx.state.global_step, "elapsed_s": elapsed, **ctx.state.metrics}
-            )
+        line = json.dumps(
+            {"epoch": ctx.state.epoch, "step": ctx.state.global_step, "elapsed_s": elapsed, **ctx.state.metrics}
         )
-        self._write()
+        if self._appends:
+            with self.fs.open(f"{self.root}/metrics.jsonl", "a") as f:
+                f.write(line + "\n")
+        else:
+            self.lines.append(line)
+            self._write()
 
     def _write(self) -> None:
         self.fs.pipe_file(f"{self.root}/metrics.jsonl", "".join(line + "\n" for line in self.lines).encode())
