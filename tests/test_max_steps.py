@@ -6,6 +6,7 @@ without changing the training; under ddp and a Keras strategy through the same l
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -171,3 +172,25 @@ def test_an_endless_stream_trains_by_steps_validates_inside_and_resumes_exactly(
     assert state.progress.optimizer_step == 30
     for key, value in full.state_dict().items():  # resumed mid-stream at step 10: the same batches after it
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=0, atol=0)
+
+
+class _Slow(_Stepped):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(180)
+def test_max_time_stops_at_an_agreed_step_validated_checkpointed_and_counts_across_resumes(tmp_path):
+    options = dict(max_epochs=3, max_time=0.5, preemption={"check_every_n_steps": 4})
+    _, state = _fit(tmp_path, make=_Slow, **options)
+    steps = state.progress.optimizer_step
+    assert steps % 4 == 0 and 4 <= steps < 64, steps  # inside the first epoch, at an agreement
+    assert state.stop_reason == "max_time=0.5s reached"
+    last = _jsonl(tmp_path)[-1]
+    assert last["step"] == steps and "val_loss" in last  # the stop is an epoch end: validated (and checkpointed)
+    _, again = _fit(tmp_path, make=_Slow, ckpt_path="last", **options)
+    assert again.progress.optimizer_step == steps + 4  # the time was spent before: it stops at the first agreement
+    assert Trainer(max_time="00:01:00:05").config.max_time == 3605.0  # Lightning's DD:HH:MM:SS
+    with pytest.raises(unifit.ConfigError, match=r"max_time.*'DD:HH:MM:SS'"):
+        Trainer(max_time="1:30")

@@ -9,6 +9,7 @@ from unifit.callbacks.preemption import Preemption
 from unifit.callbacks.progress import EpochSummary, ProgressBar
 from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.tensorboard import TensorBoardLogger
+from unifit.callbacks.time_limit import TimeLimit
 from unifit.config.schema import TrainerConfig
 from unifit.loop.callback import Callback
 
@@ -24,6 +25,7 @@ __all__ = [
     "ProgressBar",
     "RunDirectory",
     "TensorBoardLogger",
+    "TimeLimit",
     "default_callbacks",
 ]
 
@@ -34,6 +36,8 @@ def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
     callbacks: list[Callback] = []
     if cfg.nan_guard.enabled:
         callbacks.append(NanGuard(cfg.nan_guard))
+    if cfg.max_time is not None:  # its stop, like early stopping's, is seen by the checkpoint that follows
+        callbacks.append(TimeLimit(cfg.max_time, cfg.preemption.check_every_n_steps))
     if cfg.early_stopping is not None:
         callbacks.append(EarlyStopping(cfg.early_stopping))
     if cfg.checkpoint.enabled:

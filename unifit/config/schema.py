@@ -17,6 +17,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
+    field_validator,
     model_validator,
 )
 
@@ -131,6 +132,10 @@ class TrainerConfig(_Strict):
     max_epochs: PositiveInt = Field(
         10, description="Number of epochs to train (with max_steps and not set: as many as max_steps takes)."
     )
+    max_time: PositiveFloat | None = Field(
+        None,
+        description="Stop once training has run this long, in seconds or Lightning's 'DD:HH:MM:SS' (counted across resumes; checked every preemption.check_every_n_steps steps); validated and checkpointed there.",
+    )
     max_steps: PositiveInt | None = Field(
         None,
         description="Stop after this many optimizer steps, mid-epoch if need be (validated and checkpointed there); with max_epochs, whichever comes first.",
@@ -226,6 +231,18 @@ class TrainerConfig(_Strict):
         adopted = self.model_copy(update={"batch_size": batch_size})
         adopted._batch_size_from = source
         return adopted
+
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        """Lightning's 'DD:HH:MM:SS' as seconds (a number stays a number)."""
+        if not isinstance(value, str) or ":" not in value:
+            return value
+        parts = value.split(":")
+        if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"received {value!r}; give seconds (e.g. 3600) or 'DD:HH:MM:SS' (e.g. '00:12:00:00')")
+        days, hours, minutes, seconds = (int(p) for p in parts)
+        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
     @model_validator(mode="after")
     def _one_warmup(self) -> TrainerConfig:
