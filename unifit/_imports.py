@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 from unifit.errors import MissingExtraError
@@ -30,6 +32,15 @@ def require(package: str, *, purpose: str) -> Any:
             f"{purpose} needs the Python package '{root}', which is not importable ({exc}); "
             f"fix: pip install 'unifit[{extra}]'"
         ) from exc
+
+
+def tensorboard_without_tensorflow() -> None:
+    """TensorBoard's writer resolves `tensorboard.compat.tf`, which imports TensorFlow whenever it is
+    installed: seconds of start-up, ~500 MB of memory and TensorFlow's log lines in a PyTorch run.
+    Its documented switch, an importable `tensorboard.compat.notf`, selects its own stub instead;
+    set only where TensorFlow is not loaded already (a Keras run keeps it)."""
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
 
 
 def load_object(path: str, *, field: str) -> Any:

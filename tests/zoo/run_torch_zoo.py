@@ -94,6 +94,7 @@ def unifit_run(
         "weights": state,
         "crashed": crashed,
         "calls": getattr(module, "calls", None),  # the step hooks a module recorded (own_step_models.py)
+        "grad_norms": getattr(module, "grad_norms", None),  # seen in on_before_optimizer_step (module or callback)
     }
 
 
@@ -123,6 +124,7 @@ def lightning_run(name: str, precision: str, args: argparse.Namespace, models: d
         "weights": state,
         "crashed": None,
         "calls": getattr(module, "calls", None),
+        "grad_norms": getattr(module, "grad_norms", None),
     }
 
 

@@ -29,7 +29,7 @@ from lightning.pytorch.demos.lstm import LightningLSTM, SequenceSampler, SimpleL
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from tests.zoo import logging_models, own_step_models
+from tests.zoo import callback_models, logging_models, own_step_models
 
 VOCAB = 64
 SEQ = 12
@@ -299,6 +299,7 @@ MODELS: dict[str, tuple[Callable[[int], tuple[Any, Any]], bool]] = {
     "manual-boring": (lambda b: (ManualOptimBoringModel(), BoringDataModule()), False),
     **own_step_models.MODELS,
     **logging_models.MODELS,
+    **callback_models.MODELS,
 }
 MANUAL = {"manual-boring", *own_step_models.MANUAL}  # accumulate_grad_batches is refused with manual optimization
 GPU_MODELS = {**MODELS, "torchvision-resnet": (lambda b: (ImageClassifier("torchvision-resnet18"), Images(b)), True)}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from unifit.callbacks.checkpoint import IntervalCheckpoint, ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
+from unifit.callbacks.lightning_mapping import CallbackPlan, is_lightning_callback, plan_callbacks
 from unifit.callbacks.nan_guard import NanGuard
 from unifit.callbacks.preemption import Preemption
 from unifit.callbacks.progress import EpochSummary, ProgressBar
@@ -15,6 +18,7 @@ from unifit.loop.callback import Callback
 
 __all__ = [
     "Callback",
+    "CallbackPlan",
     "IntervalCheckpoint",
     "ModelCheckpoint",
     "Preemption",
@@ -27,22 +31,28 @@ __all__ = [
     "TensorBoardLogger",
     "TimeLimit",
     "default_callbacks",
+    "is_lightning_callback",
+    "plan_callbacks",
 ]
 
 
-def default_callbacks(cfg: TrainerConfig) -> list[Callback]:
+def default_callbacks(cfg: TrainerConfig, reports: dict[str, Any] | None = None) -> list[Callback]:
     """The built-in callbacks a config asks for, in the order they must run:
-    the NaN guard before anything saves, early stopping before the checkpoint that follows it."""
+    the NaN guard before anything saves, early stopping before the checkpoint that follows it.
+    `reports`: what mapped Lightning callbacks are told ("checkpoint", "early_stopping": lightning_mapping.py)."""
+    reports = reports or {}
     callbacks: list[Callback] = []
     if cfg.nan_guard.enabled:
         callbacks.append(NanGuard(cfg.nan_guard))
     if cfg.max_time is not None:  # its stop, like early stopping's, is seen by the checkpoint that follows
         callbacks.append(TimeLimit(cfg.max_time, cfg.preemption.check_every_n_steps))
     if cfg.early_stopping is not None:
-        callbacks.append(EarlyStopping(cfg.early_stopping))
+        callbacks.append(EarlyStopping(cfg.early_stopping, reports.get("early_stopping")))
     if cfg.checkpoint.enabled:
         intervals = cfg.checkpoint.every_n_steps is not None or cfg.checkpoint.every_n_minutes is not None
-        callbacks.append((IntervalCheckpoint if intervals else ModelCheckpoint)(cfg.checkpoint))
+        callbacks.append(
+            (IntervalCheckpoint if intervals else ModelCheckpoint)(cfg.checkpoint, reports.get("checkpoint"))
+        )
     if cfg.preemption.enabled:
         callbacks.append(Preemption(cfg.preemption, save=cfg.preemption.checkpoint and cfg.checkpoint.enabled))
     if cfg.tensorboard.enabled:

@@ -1,14 +1,15 @@
 """Checkpoint every N epochs (and every N optimizer steps or M minutes) on rank 0, keep the last N,
-track the best by a monitored metric."""
+track the best (and the k best) by a monitored metric."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from unifit.checkpoint.store import checkpoint_name
 from unifit.config.schema import CheckpointConfig
 from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
@@ -19,20 +20,27 @@ class ModelCheckpoint(Callback):
 
     runs_last = True
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, report: Callable[..., None] | None = None) -> None:
         self.config = config
+        self.report = report  # tells a mapped Lightning ModelCheckpoint its paths (best_model_path, ...)
         self.best_value: float | None = None
+        self.best_name: str | None = None
+        self.best_k: dict[str, float] = {}  # the k best checkpoints by the monitor: name -> value
 
     def on_epoch_end(self, ctx: Any) -> None:
         cfg, state = self.config, ctx.state
         last = state.epoch == ctx.config.max_epochs or state.should_stop
         if state.epoch % cfg.every_n_epochs and not last:
             return
-        self._save(ctx, self._improved(ctx))
+        self._save(ctx, scored=True)
 
-    def _save(self, ctx: Any, improved: bool = False) -> None:
+    def _save(self, ctx: Any, scored: bool = False) -> None:
+        """Save now; `scored`: the checkpoint competes for best and the k best by the monitor."""
         cfg = self.config
+        name = checkpoint_name(ctx.state.epoch, ctx.state.global_step)
+        improved = scored and self._score(ctx, name)
         protected = {ctx.resumed_from} if ctx.resumed_from else set()
+        protected |= set(self.best_k)
         best_value = self.best_value
 
         def after_commit(store: Any, name: str) -> None:  # rank 0, once the checkpoint is committed
@@ -40,9 +48,12 @@ class ModelCheckpoint(Callback):
                 store.set_best(name, cfg.monitor, best_value)
             store.prune(cfg.keep_last_n, protected)
 
-        ctx.save_checkpoint(after_commit=after_commit)
+        ctx.save_checkpoint(name, after_commit=after_commit)
+        if self.report is not None:
+            self._report(ctx.last_checkpoint)
 
-    def _improved(self, ctx: Any) -> bool:
+    def _score(self, ctx: Any, name: str) -> bool:
+        """Whether checkpoint `name` is the best so far; it joins the k best if it is among them."""
         monitor = self.config.monitor
         if monitor is None:
             return False
@@ -51,21 +62,34 @@ class ModelCheckpoint(Callback):
                 f"trainer.checkpoint.monitor: '{monitor}' was not logged; logged metrics: "
                 f"{', '.join(sorted(ctx.state.metrics))}"
             )
-        value = ctx.state.metrics[monitor]
+        value = float(ctx.state.metrics[monitor])
         if not math.isfinite(value):
             return False
-        better = self.best_value is None or (
-            value > self.best_value if self.config.mode == "max" else value < self.best_value
-        )
+        sign = 1.0 if self.config.mode == "max" else -1.0
+        ranked = sorted({**self.best_k, name: value}.items(), key=lambda item: -sign * item[1])
+        self.best_k = dict(ranked[: self.config.keep_best_k])
+        better = self.best_value is None or sign * (value - self.best_value) > 0
         if better:
-            self.best_value = value
+            self.best_value, self.best_name = value, name
         return better
 
+    def _report(self, last_path: str | None) -> None:
+        folder = (last_path or "").rsplit("/", 1)[0]
+        assert self.report is not None
+        self.report(
+            last_path=last_path or "",
+            best_path=f"{folder}/{self.best_name}" if self.best_name else None,
+            best_value=self.best_value,
+            best_k={f"{folder}/{name}": value for name, value in self.best_k.items()},
+        )
+
     def state_dict(self) -> dict[str, Any]:
-        return {"best_value": self.best_value}
+        return {"best_value": self.best_value, "best_name": self.best_name, "best_k": dict(self.best_k)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_value = state.get("best_value")
+        self.best_name = state.get("best_name")
+        self.best_k = dict(state.get("best_k", {}))
 
 
 class IntervalCheckpoint(ModelCheckpoint):
@@ -104,6 +128,6 @@ class IntervalCheckpoint(ModelCheckpoint):
         super().on_epoch_end(ctx)
         self._seen_step = ctx.progress.optimizer_step
 
-    def _save(self, ctx: Any, improved: bool = False) -> None:
-        super()._save(ctx, improved)
+    def _save(self, ctx: Any, scored: bool = False) -> None:
+        super()._save(ctx, scored)
         self._last_save = time.monotonic()

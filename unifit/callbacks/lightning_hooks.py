@@ -1,7 +1,7 @@
-"""Calls an unchanged LightningModule's own hooks at the matching unifit events (see
-frameworks/torch/lightning.py for the module itself), in Lightning 2.x's order: on_train_epoch_end
-after validation (LightningEpochEnds: before the other callbacks), setup/teardown around the fit,
-on_save_checkpoint into the checkpoint."""
+"""Calls an unchanged LightningModule's own hooks, each after the same hook of the run's Lightning callbacks,
+at the matching unifit events (see frameworks/torch/lightning.py for the module itself), in Lightning 2.x's
+order: on_train_epoch_end after validation (LightningEpochEnds: before the other callbacks), setup/teardown
+around the fit, the callbacks' states and on_save_checkpoint into the checkpoint."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ class LightningEpochEnds(Callback):
 
     def _epoch_end(self, ctx: Any, hook: str) -> None:
         """Every rank calls the hook, so every rank reduces (a collective, only for a module that has the hook)."""
-        self.adapter.call_epoch_hook(getattr(self.adapter.lightning, hook))
-        if self.adapter.overrides(hook):
+        self.adapter.call_epoch_hook(hook)
+        if self.adapter.overrides(hook) or self.adapter.listens(hook):
             ctx.state.metrics.update(ctx.reduce_logged())
 
 
@@ -48,58 +48,73 @@ class LightningHooks(Callback):
         return "LightningModule"
 
     def on_setup(self, ctx: Any) -> None:
-        view = self.adapter.view
-        view.ctx, view.max_epochs, view.epoch = ctx, ctx.config.max_epochs, ctx.progress.epoch
+        view, cfg = self.adapter.view, ctx.config
+        view.ctx, view.max_epochs, view.epoch, view.stage = ctx, cfg.max_epochs, ctx.progress.epoch, "fit"
+        if cfg.tensorboard.enabled:
+            self.adapter.start_logging(cfg.tensorboard_dir, writes=ctx.is_global_zero)
 
     def on_fit_start(self, ctx: Any) -> None:
-        self.lm.on_fit_start()
-        self.adapter.call_epoch_hook(self.lm.on_train_start)  # its logs count in the first epoch
+        self.adapter.fan_out("on_fit_start")
+        self.adapter.call_epoch_hook("on_train_start")  # its logs count in the first epoch
 
     def on_train_epoch_start(self, ctx: Any) -> None:
         self.adapter.view.epoch = ctx.progress.epoch
-        self.adapter.call_epoch_hook(self.lm.on_train_epoch_start)
+        self.adapter.call_epoch_hook("on_train_epoch_start")
 
     def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
         self._batch = batch
-        if self.adapter.call_batch_hook(self.lm.on_train_batch_start, batch, batch_idx) == -1:
+        if self.adapter.call_batch_hook("on_train_batch_start", batch, batch_idx, batch=batch) == -1:
             raise ConfigError(
                 f"{type(self.lm).__name__}.on_train_batch_start returned -1 (skip the rest of the "
                 "epoch), which one rank cannot decide alone; set trainer.should_stop or use max_epochs"
             )
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        self.adapter.call_batch_hook(
-            lambda batch: self.lm.on_train_batch_end({"loss": loss}, batch, batch_idx), self._batch
-        )
+        batch = self._batch
+        outputs = self.adapter.batch_outputs()
+        self.adapter.call_batch_hook("on_train_batch_end", outputs, batch, batch_idx, batch=batch)
 
     def on_validation_start(self, ctx: Any) -> None:
         self.adapter.view.training = False
-        self.adapter.call_epoch_hook(self.lm.on_validation_start)
-        self.adapter.call_epoch_hook(self.lm.on_validation_epoch_start)
+        self.adapter.call_epoch_hook("on_validation_start")
+        self.adapter.call_epoch_hook("on_validation_epoch_start")
 
     def on_validation_end(self, ctx: Any) -> None:
-        self.lm.on_validation_end()  # on_validation_epoch_end ran in LightningEpochEnds
+        self.adapter.fan_out("on_validation_end")  # on_validation_epoch_end ran in LightningEpochEnds
         self.adapter.view.training = True
 
     def on_fit_end(self, ctx: Any) -> None:
         self.adapter.view.epoch = ctx.progress.epoch  # Lightning's after fit: max_epochs
-        self.lm.on_train_end()
-        self.lm.on_fit_end()
+        self.adapter.fan_out("on_train_end")
+        self.adapter.fan_out("on_fit_end")
+
+    def on_exception(self, ctx: Any, error: BaseException) -> None:
+        self.adapter.callbacks_only("on_exception", error)
+        if self.adapter.datamodule is not None and hasattr(self.adapter.datamodule, "on_exception"):
+            self.adapter.datamodule.on_exception(error)
 
     def on_teardown(self, ctx: Any) -> None:
-        for part in (self.adapter.datamodule, self.lm):
-            if part is not None:
-                part.teardown(self.adapter.stage)
+        try:
+            self.adapter.teardown()
+        finally:
+            self.adapter.stop_logging()
 
     def state_dict(self) -> dict[str, Any]:
-        """What the module's on_save_checkpoint and the data module's state_dict add to a checkpoint."""
+        """What a Lightning checkpoint adds to the weights: the callbacks' states (by state_key), the data module's
+        state, then what the callbacks' and the module's on_save_checkpoint put in."""
         extra: dict[str, Any] = {}
-        self.lm.on_save_checkpoint(extra)
+        callbacks = self.adapter.callback_state()
+        if callbacks:
+            extra["callbacks"] = callbacks
         if self.adapter.datamodule is not None:
             extra["datamodule"] = self.adapter.datamodule.state_dict()
+        self.adapter.callbacks_only("on_save_checkpoint", extra)
+        self.lm.on_save_checkpoint(extra)
         return extra
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.adapter.datamodule is not None and "datamodule" in state:
             self.adapter.datamodule.load_state_dict(state["datamodule"])
         self.lm.on_load_checkpoint(state)
+        self.adapter.callbacks_only("on_load_checkpoint", state)
+        self.adapter.load_callback_state(state.get("callbacks", {}))

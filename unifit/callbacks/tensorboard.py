@@ -8,26 +8,15 @@ new event file past `rotate_mb` so no upload ever re-sends a large file.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
-import types
 from typing import Any
 
-from unifit._imports import require
+from unifit._imports import require, tensorboard_without_tensorflow
 from unifit.callbacks.directory_sync import DirectorySync
 from unifit.loop.callback import Callback
 
 _RECORD_FRAMING = 16  # bytes around each event record (length, crcs)
-
-
-def _without_tensorflow() -> None:
-    """TensorBoard's writer resolves `tensorboard.compat.tf`, which imports TensorFlow whenever it is
-    installed: seconds of start-up, ~500 MB of memory and TensorFlow's log lines in a PyTorch run.
-    Its documented switch, an importable `tensorboard.compat.notf`, selects its own stub instead;
-    set only where TensorFlow is not loaded already (a Keras run keeps it)."""
-    if "tensorflow" not in sys.modules:
-        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
 
 
 class TensorBoardLogger(Callback):
@@ -62,7 +51,7 @@ class TensorBoardLogger(Callback):
             self.sync = DirectorySync(self.log_dir, self.sync_to, self.storage_options, self.sync_every_s).start()
 
     def _open(self) -> None:
-        _without_tensorflow()
+        tensorboard_without_tensorflow()
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._writer = EventFileWriter(self.log_dir)

@@ -60,6 +60,10 @@ class CheckpointConfig(_Strict):
     )
     monitor: str | None = Field(None, description="Metric that picks the 'best' checkpoint, e.g. val/acc.")
     mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher `monitor` value is better.")
+    keep_best_k: PositiveInt = Field(
+        1,
+        description="With monitor: also keep the k best checkpoints by it, scored at epoch ends (Lightning's save_top_k), besides the keep_last_n newest.",
+    )
 
 
 class TensorBoardConfig(_Strict):
@@ -92,6 +96,16 @@ class EarlyStoppingConfig(_Strict):
     mode: Literal["min", "max"] = Field("min", description="Whether lower or higher is better.")
     patience: PositiveInt = Field(3, description="Epochs without improvement before stopping.")
     min_delta: NonNegativeFloat = Field(0.0, description="Smallest change that counts as an improvement.")
+    strict: bool = Field(
+        True, description="A monitor that was not logged is an error (false: that epoch is not checked)."
+    )
+    check_finite: bool = Field(True, description="Stop as soon as the monitored value is NaN or infinite.")
+    stopping_threshold: float | None = Field(
+        None, description="Stop as soon as the monitored value is this good (reached or passed, by mode)."
+    )
+    divergence_threshold: float | None = Field(
+        None, description="Stop as soon as the monitored value is worse than this (by mode)."
+    )
 
 
 class PreemptionConfig(_Strict):

@@ -53,6 +53,13 @@ class Engine(ABC):
         return min(cfg.max_steps, steps_per_epoch * epochs)
 
     @contextmanager
+    def validating(self) -> Iterator[None]:
+        """Around one validation inside fit, its hooks included: the model in evaluation mode (where the
+        framework has modes) and what is logged in a collector of its own (separate_metrics)."""
+        with self.separate_metrics():
+            yield
+
+    @contextmanager
     def separate_metrics(self) -> Iterator[None]:
         """A collector of its own for a validation (what the module logs there), so that one run inside a
         training epoch leaves the epoch's training metrics accumulating in theirs."""

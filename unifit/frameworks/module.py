@@ -109,6 +109,20 @@ class ModuleBase:
         """unifit Callbacks this module brings along (run after trainer.callbacks, as Lightning's are)."""
         return []
 
+    @property
+    def own_callbacks(self) -> list[Any]:
+        """Lightning callbacks the module brings (a LightningModule's configure_callbacks())."""
+        return []
+
+    def use_callbacks(self, running: list[Any], every: list[Any]) -> None:
+        """The run's Lightning callbacks: `running` are run as they are, which a LightningModule's run does."""
+        if running:
+            names = ", ".join(type(cb).__name__ for cb in running)
+            raise ConfigError(
+                f"trainer.callbacks: {names} (Lightning callbacks) run with a LightningModule, and "
+                f"{type(self).__name__} is not one: write them as unifit.Callback subclasses (one method per event)"
+            )
+
     # ---- data: the Trainer shards these; batch_size is per replica --------------------------
     def train_dataset(self) -> Any:
         """The training data: a torch Dataset, or a tuple of arrays (x, y, ...)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unifit.callbacks.lightning_hooks import LightningEpochEnds, LightningHooks
+from unifit.callbacks.lightning_mapping import CallbackPlan, plan_callbacks
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
 from unifit.loop.callback import Callback
@@ -98,6 +99,24 @@ def _is_torch_data(obj: Any) -> bool:
         c.__name__ in ("DataLoader", "Dataset", "IterableDataset") and c.__module__.startswith("torch.utils.data")
         for c in type(obj).__mro__
     )
+
+
+@dataclass
+class Prepared:
+    """What the user passed, made trainable, with the run's Lightning callbacks planned."""
+
+    module: ModuleBase
+    data: Any
+    plan: CallbackPlan  # plan.config: this run's config, with the mapped callbacks' settings
+
+
+def prepare(config: Any, module: Any, data: Any = None, callbacks: list[Any] | None = None) -> Prepared:
+    """The module made trainable; the Trainer's Lightning `callbacks` and the module's own (configure_callbacks)
+    mapped onto the config, run by the module, or refused, all problems at once (callbacks/lightning_mapping.py)."""
+    module, data = trainable(module, data)
+    plan = plan_callbacks(config, list(callbacks or []), module.own_callbacks)
+    module.use_callbacks(plan.running, plan.lightning)
+    return Prepared(module, data, plan)
 
 
 def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:

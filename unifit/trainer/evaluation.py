@@ -18,7 +18,7 @@ from typing import Any
 from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
-from unifit.trainer.adapt import set_up
+from unifit.trainer.adapt import prepare, set_up
 
 log = logging.getLogger("unifit")
 
@@ -36,11 +36,19 @@ class Evaluation:
 
 
 def evaluate(
-    config: TrainerConfig, stage: str, module: Any, data: Any = None, ckpt_path: str | None = None
+    config: TrainerConfig,
+    stage: str,
+    module: Any,
+    data: Any = None,
+    ckpt_path: str | None = None,
+    callbacks: list[Any] | None = None,
 ) -> Evaluation:
+    """`callbacks`: the Trainer's Lightning callbacks (their hooks of this stage run around the module's)."""
     if stage not in STAGES:
         raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
-    module, strategy, engine = set_up(config, module, data)
+    prepared = prepare(config, module, data, callbacks)
+    config = prepared.plan.config
+    module, strategy, engine = set_up(config, prepared.module, prepared.data)
     result = Evaluation(stage)
     try:
         strategy.setup()

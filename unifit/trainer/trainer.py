@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from unifit.callbacks import default_callbacks
+from unifit.callbacks import default_callbacks, is_lightning_callback, plan_callbacks
 from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.checkpoint.store import CheckpointStore
 from unifit.config.init_args import build
@@ -29,7 +29,7 @@ from unifit.loop.state import Progress, TrainState
 from unifit.storage import check_writable
 from unifit.strategies import environment, registry
 from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
-from unifit.trainer.adapt import STAGE_SLOT, passed_data, set_up
+from unifit.trainer.adapt import STAGE_SLOT, passed_data, prepare, set_up
 from unifit.trainer.evaluation import evaluate
 
 log = logging.getLogger("unifit")
@@ -47,19 +47,33 @@ class Trainer:
     """`Trainer(strategy="ddp", max_epochs=10, batch_size=32).fit(module)`.
 
     Keyword arguments are the fields of TrainerConfig (see docs/config.md); `callbacks` may
-    also hold Callback instances.
+    also hold Callback instances, and Lightning callbacks (docs/lightning.md#callbacks).
     """
 
     def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
-        for i, c in enumerate(kwargs.get("callbacks", [])):
-            if not isinstance(c, (Callback, dict, str)):
+        given = list(kwargs.get("callbacks", []))
+        for i, c in enumerate(given):
+            if not isinstance(c, (Callback, dict, str)) and not is_lightning_callback(c):
                 raise ConfigError(_foreign_callback(i, c))
-        self.extra_callbacks: list[Callback] = [c for c in kwargs.get("callbacks", []) if isinstance(c, Callback)]
-        if self.extra_callbacks:
-            kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, Callback)]
+        objects = [c for c in given if not isinstance(c, (dict, str))]
+        if objects:
+            kwargs["callbacks"] = [c for c in given if isinstance(c, (dict, str))]
         if config is not None and kwargs:
             raise ConfigError("Trainer(config, **kwargs): pass either a TrainerConfig or keyword arguments, not both")
         self.config = _launched_strategy(config if config is not None else validate_trainer(kwargs))
+        built = [
+            build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(self.config.callbacks)
+        ]
+        for cb in built:
+            if not isinstance(cb, Callback) and not is_lightning_callback(cb):
+                raise ConfigError(
+                    f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback (nor a Lightning "
+                    "callback)"
+                )
+        every = built + objects
+        self.extra_callbacks: list[Callback] = [c for c in every if isinstance(c, Callback)]
+        self.lightning_callbacks: list[Any] = [c for c in every if not isinstance(c, Callback)]
+        plan_callbacks(self.config, self.lightning_callbacks, [])  # a refusal or conflict is known now
         registry.entry(self.config.strategy)  # a registered name, or a Strategy class path importable now
         cfg = self.config  # what the framework must know before its first operation (TensorFlow's devices)
         registry.claim_process(
@@ -90,18 +104,19 @@ class Trainer:
         Lightning's ways of passing data work too: `fit(model, train_loader, val_loader)`,
         `train_dataloaders=` / `val_dataloaders=`, `datamodule=`."""
         data, ckpt_path = passed_data("fit", data, ckpt_path, datamodule, train=train_dataloaders, val=val_dataloaders)
-        cfg = self.config
-        given, (module, strategy, engine) = module, set_up(cfg, module, data)
+        prepared = prepare(self.config, module, data, self.lightning_callbacks)
+        cfg = prepared.plan.config  # with what the Lightning callbacks given map onto (checkpoint, early stopping...)
+        given, (module, strategy, engine) = module, set_up(cfg, prepared.module, prepared.data)
         self.state = TrainState()
         dispatch: Dispatcher | None = None
         try:
             strategy.setup()
-            strategy.rank_zero_call(self._check_storage)  # a bad bucket or credentials stop every rank now
+            strategy.rank_zero_call(lambda: _check_storage(cfg))  # a bad bucket or credentials stop every rank now
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
             self.state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
-            callbacks = self._callbacks(module)
+            callbacks = self._callbacks(module, cfg, prepared.plan.reports)
             ctx = FitContext(
                 config=cfg,
                 state=self.state,
@@ -186,7 +201,7 @@ class Trainer:
 
     def _evaluate(self, stage: str, module: Any, data: Any, ckpt_path: Any, datamodule: Any, dataloaders: Any) -> Any:
         data, ckpt_path = passed_data(stage, data, ckpt_path, datamodule, **{STAGE_SLOT[stage]: dataloaders})
-        return evaluate(self.config, stage, module, data, ckpt_path)
+        return evaluate(self.config, stage, module, data, ckpt_path, self.lightning_callbacks)
 
     def save_checkpoint(
         self, name: str | None = None, after_commit: Callable[[CheckpointStore, str], None] | None = None
@@ -258,20 +273,16 @@ class Trainer:
 
     def _validate(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
         """One pass over the validation data, its metrics (reduced over the ranks) into the state's."""
-        dispatch(Event.VALIDATION_START)
-        with engine.separate_metrics():  # inside an epoch, the training metrics keep accumulating in theirs
+        with engine.validating():  # eval mode; inside an epoch, the training metrics keep accumulating in theirs
+            dispatch(Event.VALIDATION_START)
             for batch_idx, batch in enumerate(engine.val_batches()):
                 engine.validation_step(batch, batch_idx)
             ctx.state.metrics.update(engine.collector.reduce(strategy))
             dispatch(Event.VALIDATION_END)  # what the module logs at its epoch end is reduced there too
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _callbacks(self, module: Any) -> list[Callback]:
-        user = [build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(self.config.callbacks)]
-        for cb in user:
-            if not isinstance(cb, Callback):
-                raise ConfigError(f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback")
-        every = [*default_callbacks(self.config), *user, *self.extra_callbacks, *module.configure_callbacks()]
+    def _callbacks(self, module: Any, cfg: TrainerConfig, reports: dict[str, Any]) -> list[Callback]:
+        every = [*default_callbacks(cfg, reports), *self.extra_callbacks, *module.configure_callbacks()]
         first, last = [cb for cb in every if cb.runs_first], [cb for cb in every if cb.runs_last]
         return first + [cb for cb in every if not (cb.runs_first or cb.runs_last)] + last
 
@@ -283,18 +294,6 @@ class Trainer:
             run.ctx.last_checkpoint = resumed.path
             run.ctx.resumed_from = resumed.path.rstrip("/").rsplit("/", 1)[-1]
 
-    def _check_storage(self) -> None:
-        cfg = self.config
-        locations = {"trainer.root_dir": cfg.root_dir}
-        if cfg.checkpoint.enabled:
-            locations["trainer.checkpoint.dir"] = cfg.checkpoint_dir
-        if cfg.tensorboard.enabled and cfg.tensorboard_dir:
-            locations["trainer.tensorboard.log_dir"] = cfg.tensorboard_dir
-        if cfg.tensorboard.enabled and cfg.tensorboard_sync_to:
-            locations["trainer.tensorboard.sync_to"] = cfg.tensorboard_sync_to
-        for where, url in locations.items():
-            check_writable(url, cfg.storage_options, where)
-
     def _resolved_config(self, module: Any, cfg: TrainerConfig) -> str:
         """The experiment as this fit runs it (`cfg`: with an adopted batch size, say)."""
         if self.experiment is not None:
@@ -305,7 +304,20 @@ class Trainer:
         )
 
 
-# what unifit already does for the callbacks users bring from Keras and Lightning
+def _check_storage(cfg: TrainerConfig) -> None:
+    """Every place the run writes is writable (rank 0 checks; a bad bucket or credentials stop every rank)."""
+    locations = {"trainer.root_dir": cfg.root_dir}
+    if cfg.checkpoint.enabled:
+        locations["trainer.checkpoint.dir"] = cfg.checkpoint_dir
+    if cfg.tensorboard.enabled and cfg.tensorboard_dir:
+        locations["trainer.tensorboard.log_dir"] = cfg.tensorboard_dir
+    if cfg.tensorboard.enabled and cfg.tensorboard_sync_to:
+        locations["trainer.tensorboard.sync_to"] = cfg.tensorboard_sync_to
+    for where, url in locations.items():
+        check_writable(url, cfg.storage_options, where)
+
+
+# what unifit already does for the callbacks users bring from Keras
 _EQUIVALENTS = {
     "ModelCheckpoint": "trainer.checkpoint (rank 0, atomic, best/last)",
     "EarlyStopping": "trainer.early_stopping",
@@ -314,8 +326,6 @@ _EQUIVALENTS = {
     "ReduceLROnPlateau": "a ReduceLROnPlateau scheduler from configure_optimizers with 'monitor'",
     "LearningRateScheduler": "a schedule in configure_optimizers (and trainer.warmup_epochs)",
     "BackupAndRestore": "trainer.checkpoint.every_n_steps with --ckpt-path auto",
-    "LearningRateMonitor": "the logged lr",
-    "TQDMProgressBar": "trainer.progress_bar",
 }
 
 
@@ -325,7 +335,7 @@ def _foreign_callback(i: int, callback: Any) -> str:
     hint = f"use {instead} instead" if instead else "write it as a unifit.Callback subclass (one method per event)"
     return (
         f"trainer.callbacks[{i}]: received a {type(callback).__module__}.{kind}, which is not a unifit.Callback; "
-        f"Keras and Lightning callbacks do not run in unifit's loop: {hint}"
+        f"Keras callbacks do not run in unifit's loop: {hint}"
     )
 
 

@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
@@ -81,7 +82,9 @@ class TorchEngine(TorchEvaluation, Engine):
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage("fit")
         self.module.to(self.device)
+        self._transfer = self.module.batch_transfer(self.device)
         self._epochs_done = 0
+        self._scheduled_epoch = -1  # the last epoch whose epoch-interval schedule has stepped
 
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
@@ -272,10 +275,10 @@ class TorchEngine(TorchEvaluation, Engine):
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
         self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
         batches = itertools.islice(self.train_loader, self._batches - skip)  # the loader's own iterator, no layer
-        if not self._move:
+        transfer = self._transfer
+        if transfer is None:
             return batches
-        device = self.device
-        return (tdata.to_device(batch, device) for batch in batches)
+        return (transfer(batch, 0) for batch in batches)
 
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         # the sampler's batch sizes, known at set-up: the step need not look into the batch
@@ -295,6 +298,8 @@ class TorchEngine(TorchEvaluation, Engine):
         else:
             with self.training.accumulating(self.wrapped):
                 loss = self._forward_backward(batch, batch_idx)
+        if batch_idx + 1 == self._batches:  # as Lightning: the epoch's schedule steps in its last batch
+            self._epoch_schedule()
         if self._move:
             loss = loss.detach()  # kept as a tensor: read once at epoch end, no device sync per step
             self.collector.add("train/loss", loss, count)
@@ -332,13 +337,20 @@ class TorchEngine(TorchEvaluation, Engine):
             self.module.lr_scheduler_step(schedule.scheduler, None)
 
     def end_of_epoch(self) -> None:
+        self._epoch_schedule()  # an epoch that ended early (max_steps, a stop) steps its schedule here
         self._epochs_done += 1
+
+    def _epoch_schedule(self) -> None:
+        """An epoch-interval schedule steps once per epoch, after the epoch's last optimizer step."""
         schedule = self.schedule
+        if self._scheduled_epoch == self._epochs_done:
+            return
+        self._scheduled_epoch = self._epochs_done
         if (
             schedule is not None
             and schedule.interval == "epoch"
             and not schedule.monitor
-            and self._epochs_done % schedule.frequency == 0
+            and (self._epochs_done + 1) % schedule.frequency == 0
         ):
             self.module.lr_scheduler_step(schedule.scheduler, None)
 
@@ -361,12 +373,25 @@ class TorchEngine(TorchEvaluation, Engine):
         return [group["lr"] * ramp for group in self.optimizer.param_groups]
 
     # ---- validation ---------------------------------------------------------------------
-    def val_batches(self) -> Iterator[Any]:
-        training = self.module.training  # inside an epoch (val_check_interval), training goes on after
-        self.module.eval()
+    @contextmanager
+    def validating(self) -> Iterator[None]:
+        """Lightning's order around a validation inside fit: gradients released, the model in eval mode (the
+        module's hooks), then each submodule's mode from before restored, or the module's own hook."""
+        module = self.module
+        modes = [(m, m.training) for m in module.modules()]  # a frozen part in eval mode stays so
+        module.on_validation_model_zero_grad()
+        module.on_validation_model_eval()
         self._rank_zero_buffers()
+        with self.separate_metrics():
+            yield
+        if module.overrides_model_train():
+            module.on_validation_model_train()
+        else:
+            for part, training in modes:
+                part.training = training
+
+    def val_batches(self) -> Iterator[Any]:
         yield from self._batches_of(self.val_loaders, self.config.limit_val_batches)
-        self.module.train(training)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """`batch_idx` counts within the batch's loader (and the step gets its `dataloader_idx` when there are
@@ -406,6 +431,7 @@ class TorchEngine(TorchEvaluation, Engine):
             **self._manual_state(),
             "optimizer_steps": self._steps,
             "epochs_done": self._epochs_done,
+            "scheduled_epoch": self._scheduled_epoch,  # a checkpoint in an epoch's last batch: its schedule stepped
             "precision": self.precision.state_dict(),
             "lr_factor": self.policy.factor,  # the world size's lr scaling the saved lrs include
         }
@@ -422,6 +448,7 @@ class TorchEngine(TorchEvaluation, Engine):
             self.seams.steps_taken = list(state.get("steps_taken", self.seams.steps_taken))
         self._steps = int(state["optimizer_steps"])
         self._epochs_done = int(state.get("epochs_done", 0))
+        self._scheduled_epoch = int(state.get("scheduled_epoch", self._epochs_done - 1))
         self.precision.load_state_dict(state.get("precision", {}))
         saved_factor = state.get("lr_factor", self.policy.factor)
         if saved_factor != self.policy.factor:  # resumed on another world size: the lrs follow its scaling

@@ -34,6 +34,7 @@ class TorchEvaluation:
     config: Any
     collector: Any
     _move: bool
+    _transfer: Any  # the module's way of moving a batch to the device: (batch, dataloader_idx) -> batch, or None
     _position: tuple[int, ...] = (0,)  # the current evaluation batch's (batch_idx, [dataloader_idx])
 
     def setup_evaluation(self, stage: str) -> None:
@@ -43,6 +44,7 @@ class TorchEvaluation:
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage(stage)
         self.module.to(self.device)
+        self._transfer = self.module.batch_transfer(self.device)
         source, step = _STAGES[stage]
         self._eval_step = getattr(self.module, step)
         dataset, presharded = self._stage_data(stage, source)
@@ -96,18 +98,18 @@ class TorchEvaluation:
         self.training.load_training_state(self.module, None, state, self.config.storage_options)
 
     def eval_batches(self) -> Iterator[Any]:
-        self.module.eval()
         yield from self._batches_of(self.eval_loaders, self._limit)
 
     def _batches_of(self, loaders: list[Any], limit: int | None) -> Iterator[Any]:
         """Each loader's batches in turn, on the device; `_position` is the step's (batch_idx, [dataloader_idx])
         for the batch just yielded: the index within its loader, and which loader when there are several."""
+        transfer = self._transfer
         for index, loader in enumerate(loaders):
             for i, batch in enumerate(loader):
                 if limit is not None and i >= limit:
                     break
                 self._position = (i,) if len(loaders) == 1 else (i, index)
-                yield tdata.to_device(batch, self.device) if self._move else batch
+                yield transfer(batch, index) if transfer is not None else batch
 
     def eval_indices(self) -> Sequence[int]:
         return user_loaders.shard_indices(self.eval_loaders[0])

@@ -1,8 +1,9 @@
 """Train an unchanged `lightning.LightningModule` (and `LightningDataModule`) on every torch strategy.
 
 `LightningAdapter` is a TrainModule that delegates to the LightningModule: its steps, optimizers,
-data loaders and own hooks. The module sees a small stand-in for Lightning's Trainer
-(`self.trainer.current_epoch`, `global_step`, `world_size`, ...), and `self.log` / `log_dict` write
+data loaders and own hooks, each hook preceded by the same hook of the run's Lightning callbacks, as
+Lightning's Trainer calls them. The module and its callbacks see a stand-in for Lightning's Trainer
+(frameworks/torch/lightning_trainer.py), and `self.log` / `log_dict` write
 into unifit's metrics, which are exact sample-weighted means over all ranks (so `sync_dist` is
 always honoured). Manual optimization and the hooks inside the optimizer step run through unifit's
 step seams (frameworks/torch/step_seams.py): `self.trainer.strategy` and `precision_plugin` are small
@@ -19,41 +20,21 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.data import batch_size_of
+from unifit.frameworks.torch.lightning_logger import TensorBoardView
+from unifit.frameworks.torch.lightning_trainer import TrainerView
 from unifit.frameworks.torch.module import TrainModule
-from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepOptimizer
+from unifit.frameworks.torch.step_seams import STEP_HOOKS
 from unifit.frameworks.torch.user_loaders import Several
-from unifit.strategies import environment
 
 # overrides refused: `backward` would have to receive the precision's scaled loss and skip fsdp's
 # check of modified views; configure_sharded_model is Lightning 1.x's (configure_model replaced it)
 _REFUSED_HOOKS = ("backward", "manual_backward", "configure_sharded_model")
-# the Trainer attributes a LightningModule may read through self.trainer
-_TRAINER_FACTS = (
-    "current_epoch",
-    "global_step",
-    "global_rank",
-    "local_rank",
-    "world_size",
-    "num_nodes",
-    "is_global_zero",
-    "max_epochs",
-    "max_steps",
-    "callback_metrics",
-    "logged_metrics",
-    "training",
-    "sanity_checking",
-    "num_devices",
-    "should_stop",
-    "estimated_stepping_batches",
-    "optimizers",
-    "lr_scheduler_configs",
-    "strategy",
-    "precision_plugin",
-    "gradient_clip_val",
-    "gradient_clip_algorithm",
-)
 # Trainer.validate/test/predict -> the word in Lightning's hook names
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
+# the hooks Lightning moves a batch to the device with, in its order
+_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+# the hooks inside the optimizer step a Lightning Callback may have (with the trainer and module first)
+_CALLBACK_STEP_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
 def is_lightning_module(obj: Any) -> bool:
@@ -73,153 +54,25 @@ def _derives_from(obj: Any, name: str) -> bool:
 
 
 def _overrides(obj: Any, hook: str) -> bool:
-    """True when `hook` is defined below Lightning's base classes (by the user, or a demo module), or set on
-    the instance (LightningDataModule.from_datasets sets its loaders so)."""
+    """True when `hook` is defined below Lightning's base classes (by the user, a demo module or one of
+    Lightning's own callbacks), or set on the instance (LightningDataModule.from_datasets sets its loaders so)."""
     if hook in getattr(obj, "__dict__", {}):
         return True
     for cls in type(obj).__mro__:
         if hook in vars(cls):
-            return not cls.__module__.startswith(("lightning.pytorch.core", "pytorch_lightning.core", "torch."))
+            return not (
+                cls.__module__.startswith(("lightning.pytorch.core", "pytorch_lightning.core", "torch."))
+                or (cls.__name__ == "Callback" and cls.__module__.endswith("callbacks.callback"))
+            )
     return False
 
 
-class TrainerView:
-    """What `self.trainer` holds for a LightningModule run by unifit: the loop's facts, read live."""
-
-    def __init__(self, max_epochs: int | None = None) -> None:
-        self.ctx: Any = None  # unifit's FitContext, once the fit has set up
-        self.seams: Any = None  # the running engine's StepSeams, while fit trains
-        self.strategy = _StrategyView(self)
-        self.precision_plugin = _PrecisionView(self)
-        self.gradient_clip_algorithm = None
-        self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts
-        self.max_epochs = max_epochs
-        self.training = True
-        self.sanity_checking = False
-        self.num_devices = 1
-        self.estimated_stepping_batches: int | None = None  # set as fit's configure_optimizers runs
-
-    def _facts(self) -> tuple[int, int, int]:
-        if self.ctx is not None:
-            return self.ctx.rank, self.ctx.world_size, self.ctx.progress.optimizer_step
-        env = environment.detect()  # before set-up (configure_optimizers): the process's rank facts
-        return env.rank, env.world_size, 0
-
-    @property
-    def global_rank(self) -> int:
-        return self._facts()[0]
-
-    @property
-    def local_rank(self) -> int:
-        return environment.detect().local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self._facts()[1]
-
-    @property
-    def num_nodes(self) -> int:
-        env = environment.detect()
-        return max(1, env.world_size // max(1, env.local_world_size))
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.global_rank == 0
-
-    @property
-    def current_epoch(self) -> int:
-        return self.epoch
-
-    @property
-    def max_steps(self) -> int:
-        """Lightning's: -1 when the fit is not limited by steps."""
-        limit = self.ctx.config.max_steps if self.ctx is not None else None
-        return -1 if limit is None else limit
-
-    @property
-    def global_step(self) -> int:
-        return self._facts()[2]
-
-    @property
-    def should_stop(self) -> bool:
-        return bool(self.ctx and self.ctx.state.should_stop)
-
-    @should_stop.setter
-    def should_stop(self, value: bool) -> None:
-        if value and self.ctx is not None:
-            self.ctx.state.request_stop("the LightningModule set trainer.should_stop")
-
-    @property
-    def callback_metrics(self) -> dict[str, torch.Tensor]:
-        metrics = self.ctx.state.metrics if self.ctx is not None else {}
-        return {name: torch.tensor(value) for name, value in metrics.items()}
-
-    logged_metrics = callback_metrics
-
-    @property
-    def optimizers(self) -> list[Any]:
-        return list(self._seams().engine.optimizers)
-
-    @property
-    def lr_scheduler_configs(self) -> list[Any]:
-        return list(self._seams().engine.schedules)  # each has .scheduler, as Lightning's LRSchedulerConfig
-
-    @property
-    def gradient_clip_val(self) -> float | None:
-        return self._seams().engine.config.gradient_clip_val
-
-    def _seams(self) -> Any:
-        if self.seams is None:
-            raise ConfigError("self.trainer.optimizers: the optimizers exist only while fit() trains")
-        return self.seams
-
-    def __getattr__(self, name: str) -> Any:
-        raise ConfigError(
-            f"self.trainer.{name}: unifit runs this LightningModule without a Lightning Trainer; "
-            f"it offers {', '.join(_TRAINER_FACTS)} (see docs/lightning.md)"
-        )
-
-
-class _StrategyView:
-    """`self.trainer.strategy`: what Lightning's own module code calls on it (manual_backward,
-    LightningOptimizer.step, self.optimizers()), routed to unifit's step seams."""
-
-    def __init__(self, view: TrainerView) -> None:
-        self._view = view
-        self._wrapped: list[Any] = []  # LightningOptimizers, made once per fit
-
-    @property
-    def _lightning_optimizers(self) -> list[Any]:
-        optimizers = self._view.optimizers
-        if [w.optimizer for w in self._wrapped] != optimizers:
-            from lightning.pytorch.core.optimizer import LightningOptimizer
-
-            self._wrapped = [LightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
-        return self._wrapped
-
-    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        self._view._seams().backward(closure_loss, *args, **kwargs)
-        return closure_loss
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return self._view._seams().step(_unwrapped(optimizer), closure)
-
-    def __getattr__(self, name: str) -> Any:
-        raise ConfigError(
-            f"self.trainer.strategy.{name}: unifit runs this LightningModule without a Lightning Trainer; "
-            "its strategy stand-in offers backward and optimizer_step (manual optimization)"
-        )
-
-
-class _PrecisionView:
-    """`self.trainer.precision_plugin`: Lightning's clip_gradients ends here, in unifit's clipping of the
-    true gradients (unscaled, averaged over ranks, by the global norm over every shard)."""
-
-    def __init__(self, view: TrainerView) -> None:
-        self._view = view
-
-    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
-        self._view._seams().clip(_unwrapped(optimizer), clip_val, gradient_clip_algorithm)
+def is_monitoring(callback: Any) -> bool:
+    """Lightning runs these (checkpoints, early stopping) after the module's on_train_epoch_end, the others before."""
+    return any(
+        c.__name__ in ("Checkpoint", "EarlyStopping") and c.__module__.startswith(("lightning", "pytorch_lightning"))
+        for c in type(callback).__mro__
+    )
 
 
 class LightningAdapter(TrainModule):
@@ -238,15 +91,76 @@ class LightningAdapter(TrainModule):
         self.lightning = lightning_module
         self.datamodule = datamodule
         self.given = given  # loaders passed to fit/validate/test/predict (trainer/adapt.py's GivenData), or None
-        self.view = TrainerView()
+        self.view = TrainerView(lightning_module, datamodule)
         lightning_module.trainer = self.view  # also reaches nested LightningModules
         lightning_module.log = self._log  # instance attributes: the class and other instances stay Lightning's
         lightning_module.log_dict = self._log_dict
         self._loader_idx: int | None = None  # which of several evaluation loaders the step's batch is from
         self._scope: str | None = None  # where self.log is called from: "step", "epoch" or elsewhere (None)
         self._prepared = False
+        self._step_output: Any = None  # what training_step returned, until on_train_batch_end
         self.stage = "fit"
         self.hooks: list[Any] = []
+        self._listeners: dict[str, list[Any]] = {}  # hook name -> the run's Lightning callbacks that define it
+        own = lightning_module.configure_callbacks()  # first, as Lightning's Trainer calls it
+        self._own_callbacks: list[Any] = list(own) if isinstance(own, (list, tuple)) else [own] if own else []
+
+    # ---- the run's Lightning callbacks ------------------------------------------------------------
+    @property
+    def own_callbacks(self) -> list[Any]:
+        return self._own_callbacks
+
+    def use_callbacks(self, running: list[Any], every: list[Any]) -> None:
+        """`running`: the Lightning callbacks run as they are, each of its hooks before the module's; `every`: all
+        of this run's, those mapped onto unifit's own included (what trainer.callbacks shows)."""
+        self.view.callbacks = list(every)
+        self._listeners = {}
+        for callback in running:
+            for name in dir(type(callback)):
+                if (name.startswith("on_") or name in ("setup", "teardown")) and _overrides(callback, name):
+                    self._listeners.setdefault(name, []).append(callback)
+
+    def listens(self, hook: str) -> bool:
+        """Whether one of the running Lightning callbacks defines `hook`."""
+        return bool(self._listeners.get(hook))
+
+    def callback_state(self) -> dict[str, Any]:
+        """Each running callback's state_dict, by its state_key (Lightning's checkpoint["callbacks"])."""
+        return {cb.state_key: state for cb in self._running() if (state := cb.state_dict())}
+
+    def load_callback_state(self, states: dict[str, Any]) -> None:
+        for callback in self._running():
+            if callback.state_key in states:
+                callback.load_state_dict(states[callback.state_key])
+
+    def _running(self) -> list[Any]:
+        return list(dict.fromkeys(cb for listeners in self._listeners.values() for cb in listeners))
+
+    def fan_out(self, name: str, *args: Any) -> Any:
+        """Lightning's order for one hook: the callbacks' (with the trainer and the module first), then the
+        module's; for on_train_epoch_end the monitoring callbacks (checkpoints, early stopping) come after it."""
+        listeners = self._listeners.get(name, ())
+        late = [cb for cb in listeners if is_monitoring(cb)] if name == "on_train_epoch_end" else []
+        for callback in listeners:
+            if callback not in late:
+                getattr(callback, name)(self.view, self.lightning, *args)
+        out = getattr(self.lightning, name)(*args)
+        for callback in late:
+            getattr(callback, name)(self.view, self.lightning, *args)
+        return out
+
+    def callbacks_only(self, name: str, *args: Any) -> None:
+        """A hook only callbacks have (on_exception, on_save_checkpoint, ...)."""
+        for callback in self._listeners.get(name, ()):
+            getattr(callback, name)(self.view, self.lightning, *args)
+
+    def start_logging(self, log_dir: str | None, writes: bool) -> None:
+        """trainer.logger / self.logger: TensorBoard's surface, writing on rank 0 (None when TensorBoard is off)."""
+        self.view.logger = TensorBoardView(log_dir, writes)
+
+    def stop_logging(self) -> None:
+        if self.view.logger is not None:
+            self.view.logger.finalize()
 
     # the checkpoint holds the LightningModule's own keys, as Lightning's checkpoints do
     @property
@@ -268,15 +182,53 @@ class LightningAdapter(TrainModule):
         return self
 
     def _prepare(self) -> None:
-        """Lightning's order: prepare_data, setup(stage) (data module, then module), configure_model."""
+        """Lightning's order: prepare_data (data module, module), setup(stage) (data module, callbacks, module),
+        configure_model."""
         if self._prepared:
             return
         self._prepared = True
-        for part in (self.datamodule, self.lightning):
-            if part is not None:
-                part.prepare_data()  # every process calls it: keep downloads idempotent (docs/lightning.md)
-                part.setup(self.stage)
+        parts = [part for part in (self.datamodule, self.lightning) if part is not None]
+        for part in parts:
+            part.prepare_data()  # every process calls it: keep downloads idempotent (docs/lightning.md)
+        if self.datamodule is not None:
+            self.datamodule.setup(self.stage)
+        self.fan_out("setup", self.stage)
         self.lightning.configure_model()
+
+    def teardown(self) -> None:
+        """Lightning's order: the data module's, the callbacks', the module's."""
+        if self.datamodule is not None:
+            self.datamodule.teardown(self.stage)
+        self.fan_out("teardown", self.stage)
+
+    # ---- moving a batch, and the model's modes around validation --------------------------------
+    def batch_transfer(self, device: torch.device) -> Any:
+        """Lightning's three hooks when the module or its data module overrides any of them (on every device, CPU
+        too); each is the module's, or the data module's where only that one defines it, as in Lightning."""
+        owners = [self._transfer_owner(hook) for hook in _TRANSFER_HOOKS]
+        if all(owner is None for owner in owners):
+            return super().batch_transfer(device)
+        before, move, after = (getattr(owner or self.lightning, hook) for owner, hook in zip(owners, _TRANSFER_HOOKS))
+
+        def transfer(batch: Any, dataloader_idx: int) -> Any:
+            return after(move(before(batch, dataloader_idx), device, dataloader_idx), dataloader_idx)
+
+        return transfer
+
+    def _transfer_owner(self, hook: str) -> Any:
+        return next((p for p in (self.lightning, self.datamodule) if p is not None and _overrides(p, hook)), None)
+
+    def on_validation_model_zero_grad(self) -> None:
+        self.lightning.on_validation_model_zero_grad()
+
+    def on_validation_model_eval(self) -> None:
+        self.lightning.on_validation_model_eval()
+
+    def on_validation_model_train(self) -> None:
+        self.lightning.on_validation_model_train()
+
+    def overrides_model_train(self) -> bool:
+        return _overrides(self.lightning, "on_validation_model_train")
 
     # ---- inside the optimizer step: the LightningModule's own hooks -----------------------------
     @property
@@ -288,26 +240,28 @@ class LightningAdapter(TrainModule):
         return _overrides(self.lightning, hook)
 
     def step_hooks(self) -> set[str]:
-        return {h for h in (*STEP_HOOKS, "lr_scheduler_step") if _overrides(self.lightning, h)}
+        """The module's hooks inside the step, and those its callbacks define."""
+        own = {h for h in (*STEP_HOOKS, "lr_scheduler_step") if _overrides(self.lightning, h)}
+        return own | {h for h in _CALLBACK_STEP_HOOKS if self._listeners.get(h)}
 
     def bind_steps(self, seams: Any) -> None:
         super().bind_steps(seams)
         self.view.seams = seams
 
     def on_before_zero_grad(self, optimizer: Any) -> None:
-        self._call_step(self.lightning.on_before_zero_grad, optimizer)
+        self._call_step("on_before_zero_grad", optimizer)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         self.lightning.optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        self._call_step(self.lightning.on_before_backward, loss)
+        self._call_step("on_before_backward", loss)
 
     def on_after_backward(self) -> None:
-        self._call_step(self.lightning.on_after_backward)
+        self._call_step("on_after_backward")
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        self._call_step(self.lightning.on_before_optimizer_step, optimizer)
+        self._call_step("on_before_optimizer_step", optimizer)
 
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
@@ -323,13 +277,26 @@ class LightningAdapter(TrainModule):
 
     # ---- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
-        out = self._call_step(self.lightning.training_step, batch, batch_idx)
+        out = self._call_step("training_step", batch, batch_idx)
         if out is None and self.lightning.automatic_optimization:
             raise ConfigError(
                 f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
                 "rank must take every step under distributed training: return the loss"
             )
+        self._step_output = out
         return out
+
+    def batch_outputs(self) -> dict[str, Any]:
+        """What on_train_batch_end receives as `outputs`, as Lightning makes it from training_step's return: under
+        automatic optimization the loss detached and divided by accumulate_grad_batches, with the other keys;
+        under manual optimization the returned dict (its loss detached)."""
+        out, self._step_output = self._step_output, None
+        extra = dict(out) if isinstance(out, dict) else {"loss": out} if isinstance(out, torch.Tensor) else {}
+        loss = extra.get("loss")
+        if isinstance(loss, torch.Tensor):
+            accumulate = self.view.accumulate_grad_batches if self.lightning.automatic_optimization else 1
+            extra["loss"] = (loss / accumulate if accumulate != 1 else loss).detach()
+        return extra
 
     def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> None:
         self._evaluation_step("test", batch, batch_idx, dataloader_idx)
@@ -340,53 +307,55 @@ class LightningAdapter(TrainModule):
     def _evaluation_step(self, name: str, batch: Any, batch_idx: int, dataloader_idx: int | None) -> None:
         """Lightning's batch hooks around the step; with several loaders each gets `dataloader_idx`, and what it
         logs is named `<key>/dataloader_idx_<i>`, as Lightning names it."""
-        lm, more = self.lightning, () if dataloader_idx is None else (dataloader_idx,)
+        more = () if dataloader_idx is None else (dataloader_idx,)
         self._loader_idx = dataloader_idx
         try:
-            self._call_step(getattr(lm, f"on_{name}_batch_start"), batch, batch_idx, *more)
-            out = self._call_step(getattr(lm, f"{name}_step"), batch, batch_idx, *more)
-            self._call_step(getattr(lm, f"on_{name}_batch_end"), out, batch, batch_idx, *more)
+            self._call_step(f"on_{name}_batch_start", batch, batch_idx, *more)
+            out = self._call_step(f"{name}_step", batch, batch_idx, *more)
+            self._call_step(f"on_{name}_batch_end", out, batch, batch_idx, *more)
         finally:
             self._loader_idx = None
 
     def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        lm = self.lightning
-        lm.on_predict_batch_start(batch, batch_idx)
-        out = lm.predict_step(batch, batch_idx)
-        lm.on_predict_batch_end(out, batch, batch_idx)
+        self.fan_out("on_predict_batch_start", batch, batch_idx)
+        out = self.lightning.predict_step(batch, batch_idx)
+        self.fan_out("on_predict_batch_end", out, batch, batch_idx)
         return out
 
     def on_evaluation_start(self, stage: str) -> None:
         """Lightning's order: on_<stage>_start, on_<stage>_epoch_start (validate: 'validation')."""
-        self.view.training = False
+        self.view.training, self.view.stage = False, stage
         name = _HOOK_STAGE[stage]
-        self.call_epoch_hook(getattr(self.lightning, f"on_{name}_start"))
-        self.call_epoch_hook(getattr(self.lightning, f"on_{name}_epoch_start"))
+        getattr(self.lightning, f"on_{name}_model_eval")()
+        log = stage != "predict"  # Lightning allows self.log in the validation and test hooks only
+        self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_start")
+        self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_epoch_start")
 
     def on_evaluation_end(self, stage: str) -> None:
         name = _HOOK_STAGE[stage]
-        self.call_epoch_hook(getattr(self.lightning, f"on_{name}_epoch_end"))  # reduced after this (evaluation.py)
-        getattr(self.lightning, f"on_{name}_end")()
-        for part in (self.datamodule, self.lightning):
-            if part is not None:
-                part.teardown(stage)
+        log = stage != "predict"
+        self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_epoch_end")  # reduced after (evaluation.py)
+        self.fan_out(f"on_{name}_end")
+        if stage != "predict" and _overrides(self.lightning, f"on_{name}_model_train"):
+            getattr(self.lightning, f"on_{name}_model_train")()
+        self.teardown()
 
-    def _call_step(self, step: Any, *args: Any) -> Any:
+    def _call_step(self, name: str, *args: Any) -> Any:
         """A step, a batch hook or a hook inside the step: self.log's values count for this batch."""
-        return self._call_in("step", step, *args)
+        return self._call_in("step", self.fan_out, name, *args)
 
-    def call_epoch_hook(self, hook: Any, *args: Any) -> Any:
+    def call_epoch_hook(self, name: str, *args: Any) -> Any:
         """An epoch-level hook (on_train_epoch_end, on_validation_epoch_start...): self.log's values count
         once per rank (batch_size 1 unless given), reduced over the ranks as sync_dist does."""
-        return self._call_in("epoch", hook, *args)
+        return self._call_in("epoch", self.fan_out, name, *args)
 
-    def call_batch_hook(self, hook: Any, batch: Any, *args: Any) -> Any:
+    def call_batch_hook(self, name: str, *args: Any, batch: Any) -> Any:
         """on_train_batch_start/end and the like: self.log's values count for `batch`'s samples."""
         if self._unifit_collector is not None:
             self._unifit_collector.batch_count = batch_size_of(batch)
-        return self._call_in("step", hook, batch, *args)
+        return self._call_in("step", self.fan_out, name, *args)
 
-    def _call_in(self, scope: str, fn: Any, *args: Any) -> Any:
+    def _call_in(self, scope: str | None, fn: Any, *args: Any) -> Any:
         outer = self._scope
         self._scope = outer or scope  # hooks inside a step (manual_backward's) count with the step
         try:
@@ -480,22 +449,8 @@ class LightningAdapter(TrainModule):
         self.hooks = list(callbacks)
 
     def configure_callbacks(self) -> list[Any]:
-        own = self.lightning.configure_callbacks()
-        if own:
-            kinds = ", ".join(type(c).__name__ for c in (own if isinstance(own, (list, tuple)) else [own]))
-            raise ConfigError(
-                f"module: {type(self.lightning).__name__}.configure_callbacks() returned Lightning "
-                f"callbacks ({kinds}); unifit runs unifit.Callback subclasses (trainer.callbacks)"
-            )
+        """unifit's callbacks that call this module's hooks (its own Lightning callbacks are own_callbacks)."""
         return list(self.hooks)
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    """The torch optimizer inside a LightningOptimizer or a StepOptimizer; any other optimizer as it is (an
-    optimizer that wraps another one, a Lookahead say, is the one configure_optimizers returned)."""
-    if isinstance(optimizer, StepOptimizer) or type(optimizer).__name__ == "LightningOptimizer":
-        return optimizer.optimizer
-    return optimizer
 
 
 def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:

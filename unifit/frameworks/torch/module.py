@@ -8,6 +8,7 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
+from unifit.frameworks.torch.data import to_device
 from unifit.frameworks.torch.stateful import TorchmetricValue, is_torchmetric
 from unifit.frameworks.torch.step_seams import STEP_HOOKS
 
@@ -91,6 +92,31 @@ class TrainModule(ModuleBase, torch.nn.Module):
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         """Step a scheduler; override for schedulers of other libraries (timm's step(epoch))."""
         scheduler.step() if metric is None else scheduler.step(metric)
+
+    # ---- around the steps: moving batches, the model's modes for validation (Lightning's hooks) -------
+    def batch_transfer(self, device: torch.device) -> Any:
+        """How a batch reaches `device`: a function (batch, dataloader_idx) -> batch, or None where it is there."""
+        if device.type == "cpu":
+            return None
+        return lambda batch, dataloader_idx: to_device(batch, device)
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Before a validation inside fit: the gradients are released (Lightning's default)."""
+        self.zero_grad(set_to_none=True)
+
+    def on_validation_model_eval(self) -> None:
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """After validation; by default each submodule's mode from before it comes back (a frozen part stays in
+        eval mode), as in Lightning."""
+
+    def on_evaluation_start(self, stage: str) -> None:
+        """Before Trainer.validate/test/predict's first batch: the model in eval mode."""
+        self.eval()
+
+    def overrides_model_train(self) -> bool:
+        return type(self).on_validation_model_train is not TrainModule.on_validation_model_train
 
     # ---- what the engine offers a step (manual optimization, clipping) -----------------------------
     def optimizers(self) -> Any:

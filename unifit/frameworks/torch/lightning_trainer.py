@@ -1,0 +1,355 @@
+"""What `self.trainer` is for a LightningModule run by unifit, and the `trainer` a Lightning Callback receives.
+
+Lightning's Trainer is a large object; module and callback code reads a part of it: the loop's position
+(`current_epoch`, `global_step`), rank facts, `callback_metrics`, the optimizers, `should_stop`, the
+strategy's collectives (`trainer.strategy.broadcast`, `reduce_boolean_decision`) and the logger.
+`TrainerView` offers that part, read live from unifit's running fit; anything else is a one-line error
+that lists what is offered. `self.trainer.strategy` / `precision_plugin` also route Lightning's own
+manual optimization (`manual_backward`, `LightningOptimizer.step`, `clip_gradients`) into unifit's step seams.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from unifit.errors import ConfigError
+from unifit.frameworks.torch.step_seams import StepOptimizer
+from unifit.strategies import environment
+
+# the Trainer attributes module and callback code may read
+TRAINER_FACTS = (
+    "current_epoch",
+    "global_step",
+    "global_rank",
+    "local_rank",
+    "node_rank",
+    "world_size",
+    "num_nodes",
+    "num_devices",
+    "is_global_zero",
+    "max_epochs",
+    "max_steps",
+    "min_epochs",
+    "callback_metrics",
+    "logged_metrics",
+    "progress_bar_metrics",
+    "training",
+    "validating",
+    "testing",
+    "predicting",
+    "sanity_checking",
+    "fast_dev_run",
+    "should_stop",
+    "estimated_stepping_batches",
+    "num_training_batches",
+    "accumulate_grad_batches",
+    "check_val_every_n_epoch",
+    "val_check_interval",
+    "precision",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "optimizers",
+    "lr_scheduler_configs",
+    "lightning_module",
+    "model",
+    "datamodule",
+    "callbacks",
+    "checkpoint_callback",
+    "checkpoint_callbacks",
+    "early_stopping_callback",
+    "logger",
+    "loggers",
+    "default_root_dir",
+    "log_dir",
+    "strategy",
+    "precision_plugin",
+)
+_STAGE_FLAGS = {"validating": "validate", "testing": "test", "predicting": "predict"}
+
+
+class TrainerView:
+    """`self.trainer` of a LightningModule run by unifit, and the `trainer` its Lightning callbacks receive."""
+
+    def __init__(self, lightning_module: Any = None, datamodule: Any = None) -> None:
+        self.ctx: Any = None  # unifit's FitContext, once the fit has set up
+        self.seams: Any = None  # the running engine's StepSeams, while fit trains
+        self.lightning_module = lightning_module
+        self.datamodule = datamodule
+        self.callbacks: list[Any] = []  # the Lightning callbacks of this run (run as they are, or mapped)
+        self.strategy = _StrategyView(self)
+        self.precision_plugin = _PrecisionView(self)
+        self.logger: Any = None  # set by the adapter once the fit's config is known (TensorBoard, rank 0)
+        self.gradient_clip_algorithm = None
+        self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts
+        self.max_epochs: int | None = None
+        self.min_epochs: int | None = None
+        self.stage = "fit"
+        self.training = True
+        self.sanity_checking = False
+        self.fast_dev_run = False
+        self.num_devices = 1
+        self.estimated_stepping_batches: int | None = None  # set as fit's configure_optimizers runs
+
+    def _facts(self) -> tuple[int, int, int]:
+        if self.ctx is not None:
+            return self.ctx.rank, self.ctx.world_size, self.ctx.progress.optimizer_step
+        env = environment.detect()  # before set-up (configure_optimizers): the process's rank facts
+        return env.rank, env.world_size, 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._facts()[0]
+
+    @property
+    def local_rank(self) -> int:
+        return environment.detect().local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._facts()[1]
+
+    @property
+    def num_nodes(self) -> int:
+        env = environment.detect()
+        return max(1, env.world_size // max(1, env.local_world_size))
+
+    @property
+    def node_rank(self) -> int:
+        env = environment.detect()
+        return env.rank // max(1, env.local_world_size)
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def current_epoch(self) -> int:
+        return self.epoch
+
+    @property
+    def max_steps(self) -> int:
+        """Lightning's: -1 when the fit is not limited by steps."""
+        limit = self._config("max_steps")
+        return -1 if limit is None else limit
+
+    @property
+    def global_step(self) -> int:
+        return self._facts()[2]
+
+    @property
+    def validating(self) -> bool:
+        return self.stage == "validate" or (self.stage == "fit" and not self.training)
+
+    @property
+    def testing(self) -> bool:
+        return self.stage == "test"
+
+    @property
+    def predicting(self) -> bool:
+        return self.stage == "predict"
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.ctx and self.ctx.state.should_stop)
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        if value and self.ctx is not None:
+            self.ctx.state.request_stop("trainer.should_stop was set (by the LightningModule or a callback)")
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        metrics = self.ctx.state.metrics if self.ctx is not None else {}
+        return {name: torch.tensor(value) for name, value in metrics.items()}
+
+    logged_metrics = callback_metrics
+    progress_bar_metrics = callback_metrics
+
+    @property
+    def num_training_batches(self) -> int | float:
+        return self.ctx.batches_per_epoch if self.ctx is not None else float("inf")
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self._config("accumulate_grad_batches") or 1
+
+    @property
+    def check_val_every_n_epoch(self) -> int:
+        return self._config("validate_every_n_epochs") or 1
+
+    @property
+    def val_check_interval(self) -> int | float:
+        interval = self._config("val_check_interval")
+        return 1.0 if interval is None else interval
+
+    @property
+    def precision(self) -> str:
+        return self._config("precision") or "32-true"
+
+    @property
+    def default_root_dir(self) -> str | None:
+        return self._config("root_dir")
+
+    @property
+    def log_dir(self) -> str | None:
+        return getattr(self.logger, "log_dir", None)
+
+    @property
+    def loggers(self) -> list[Any]:
+        return [self.logger] if self.logger is not None else []
+
+    @property
+    def model(self) -> Any:
+        """Lightning's is the strategy's wrapped model; eval()/train() on the module itself act alike."""
+        return self.lightning_module
+
+    @property
+    def checkpoint_callbacks(self) -> list[Any]:
+        return [cb for cb in self.callbacks if _is_a(cb, "Checkpoint")]
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        found = self.checkpoint_callbacks
+        return found[0] if found else None
+
+    @property
+    def early_stopping_callback(self) -> Any:
+        return next((cb for cb in self.callbacks if _is_a(cb, "EarlyStopping")), None)
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return list(self._seams().engine.optimizers)
+
+    @property
+    def lr_scheduler_configs(self) -> list[Any]:
+        return list(self._seams().engine.schedules)  # each has .scheduler, as Lightning's LRSchedulerConfig
+
+    @property
+    def gradient_clip_val(self) -> float | None:
+        return self._config("gradient_clip_val")
+
+    def _config(self, name: str) -> Any:
+        return getattr(self.ctx.config, name) if self.ctx is not None else None
+
+    def _seams(self) -> Any:
+        if self.seams is None:
+            raise ConfigError("self.trainer.optimizers: the optimizers exist only while fit() trains")
+        return self.seams
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(
+            f"trainer.{name}: unifit runs this LightningModule and its callbacks without a Lightning Trainer; "
+            f"it offers {', '.join(TRAINER_FACTS)} (see docs/lightning.md)"
+        )
+
+
+class _StrategyView:
+    """`trainer.strategy`: what Lightning's own module code calls on it (manual_backward, LightningOptimizer.step,
+    self.optimizers()), routed to unifit's step seams, and the collectives callbacks use, on unifit's strategy."""
+
+    def __init__(self, view: TrainerView) -> None:
+        self._view = view
+        self._wrapped: list[Any] = []  # LightningOptimizers, made once per fit
+
+    @property
+    def _lightning_optimizers(self) -> list[Any]:
+        optimizers = self._view.optimizers
+        if [w.optimizer for w in self._wrapped] != optimizers:
+            from lightning.pytorch.core.optimizer import LightningOptimizer
+
+            self._wrapped = [LightningOptimizer._to_lightning_optimizer(o, self) for o in optimizers]
+        return self._wrapped
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        self._view._seams().backward(closure_loss, *args, **kwargs)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return self._view._seams().step(unwrapped(optimizer), closure)
+
+    # ---- facts and collectives --------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self._view.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self._view.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._view.local_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._view.is_global_zero
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._view._seams().engine.device
+
+    def barrier(self, name: str | None = None) -> None:
+        self._unifit().barrier(name or "lightning callback")
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._unifit().broadcast_object(obj, src)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        gathered = self._unifit().all_gather_object(tensor.detach().cpu())
+        return torch.stack(gathered).to(tensor.device)
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """A sum or mean over the ranks (Lightning's default: mean)."""
+        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
+        if op not in ("mean", "avg", "sum"):
+            raise ConfigError(f"trainer.strategy.reduce: reduce_op={reduce_op!r}; unifit reduces by 'mean' or 'sum'")
+        value = torch.as_tensor(tensor)
+        total = self._unifit().all_reduce_sum(value.detach().double().cpu().numpy().reshape(-1))
+        if op != "sum":
+            total = total / self.world_size
+        return torch.as_tensor(np.asarray(total).reshape(value.shape), dtype=value.dtype, device=value.device)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """True when every rank decided so (`all`), or any rank did."""
+        if all:  # no rank decided otherwise
+            return not bool(self._unifit().all_reduce_max(np.array([0.0 if decision else 1.0]))[0])
+        return bool(self._unifit().all_reduce_max(np.array([1.0 if decision else 0.0]))[0])
+
+    def _unifit(self) -> Any:
+        return self._view._seams().engine.strategy
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(
+            f"trainer.strategy.{name}: unifit runs this LightningModule without a Lightning Trainer; its strategy "
+            "stand-in offers backward, optimizer_step, barrier, broadcast, all_gather, reduce, "
+            "reduce_boolean_decision, world_size, global_rank, local_rank, is_global_zero and root_device"
+        )
+
+
+class _PrecisionView:
+    """`self.trainer.precision_plugin`: Lightning's clip_gradients ends here, in unifit's clipping of the
+    true gradients (unscaled, averaged over ranks, by the global norm over every shard)."""
+
+    def __init__(self, view: TrainerView) -> None:
+        self._view = view
+
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        self._view._seams().clip(unwrapped(optimizer), clip_val, gradient_clip_algorithm)
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside a LightningOptimizer or a StepOptimizer; any other optimizer as it is (an
+    optimizer that wraps another one, a Lookahead say, is the one configure_optimizers returned)."""
+    if isinstance(optimizer, StepOptimizer) or type(optimizer).__name__ == "LightningOptimizer":
+        return optimizer.optimizer
+    return optimizer
+
+
+def _is_a(obj: Any, name: str) -> bool:
+    """An instance of Lightning's class `name` (by name: lightning is not imported to ask)."""
+    return any(
+        c.__name__ == name and c.__module__.startswith(("lightning", "pytorch_lightning")) for c in type(obj).__mro__
+    )
