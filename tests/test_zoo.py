@@ -3,7 +3,8 @@ batch sampler, ManualOptimBoringModel), Hugging Face GPT-2 and BERT, a ResNet-18
 authors wrote them (LightningModules, their own DataLoaders), and modules that take part in their own step
 (a GAN in manual optimization with two optimizers, a classifier with every hook inside the optimizer step:
 tests/zoo/own_step_models.py), Lightning's GLUE tutorial module, which logs its metrics in on_validation_epoch_end
-(tests/zoo/logging_models.py), trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
+(tests/zoo/logging_models.py), and a classifier that brings its own Lightning callbacks (tests/zoo/callback_models.py),
+trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
 
 What must hold, model by model:
 - single process equals Lightning's own Trainer, bit for bit (32-true and bf16-mixed, accumulating 2);
@@ -29,7 +30,19 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 DRIVER = "tests/zoo/run_torch_zoo.py"
-MODELS = ("boring", "transformer", "lstm", "gpt2", "bert", "resnet", "manual-boring", "gan", "hooks", "glue")
+MODELS = (
+    "boring",
+    "transformer",
+    "lstm",
+    "gpt2",
+    "bert",
+    "resnet",
+    "manual-boring",
+    "gan",
+    "hooks",
+    "glue",
+    "callbacks",
+)
 MANUAL = {"manual-boring", "gan"}  # trained without accumulation everywhere (refused with manual optimization)
 BATCH_NORM = {"resnet"}  # running statistics follow each rank's batches: compared only between world-2 runs
 # losses of the first steps single vs ddp (roundoff grows with the steps: the demo Transformer's SGD at lr 0.1
@@ -137,6 +150,12 @@ def test_single_equals_lightnings_own_trainer(tmp_path_factory):
         "configure_gradient_clipping",
     ], ours[:12]
     assert ours.count("lr_scheduler_step") == 2  # once per epoch
+    # what a module's hook and a Lightning callback saw before each optimizer step, and a callback's epoch-end log
+    for model in ("hooks", "callbacks"):
+        ours, theirs = z.record(model, "32-true")["grad_norms"], z.record(model, "32-true", "lightning")["grad_norms"]
+        assert len(ours) == 24 and ours == pytest.approx(theirs, rel=1e-6), model
+    spread = z.record("callbacks", "32-true")["epochs"][-1]["loss_spread"]
+    assert spread == pytest.approx(z.record("callbacks", "32-true", "lightning")["epochs"][0]["loss_spread"], rel=1e-6)
 
 
 @pytest.mark.timeout(900)
@@ -210,6 +229,18 @@ def test_ddp_takes_the_steps_of_one_process_accumulating(tmp_path_factory):
             assert a == pytest.approx(b, abs=1e-4), f"{model}: step {step} loss {a} (single) vs {b} (ddp)"
         if model in STABLE:
             assert _max_diff(single.weights(model, "32-true"), ddp.weights(model, "32-true")) < 1e-4, model
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "smddp-like", "horovod"])
+def test_lightning_callbacks_see_the_averaged_gradients_on_every_rank(strategy, tmp_path_factory):
+    """The gradient norm a Lightning callback computes before each optimizer step (from the sharded DTensors under
+    fsdp) is the one-process norm of the same step, on every rank."""
+    single, z = zoo("single", tmp_path_factory), zoo(strategy, tmp_path_factory)
+    reference = single.record("callbacks", "32-true")["grad_norms"]
+    for rank in range(2):
+        norms = z.record("callbacks", "32-true", rank=rank)["grad_norms"]
+        assert norms == pytest.approx(reference, rel=1e-5), (strategy, rank)
 
 
 @pytest.mark.timeout(900)

@@ -7,8 +7,9 @@ docs teach them (no Lightning example's code is copied here):
   tensor from them and fails there, under Lightning's own ModelParallelStrategy too);
 - `LossSpread` keeps the training losses of an epoch from `on_train_batch_end`'s outputs, logs their spread in
   `on_train_epoch_end`, and keeps a count in its `state_dict` (restored with a checkpoint);
-- `StopAtGlobalStep` reads `trainer.global_step` / `trainer.callback_metrics` and sets `trainer.should_stop` (not
-  reached in the zoo's two epochs: it only reads).
+- `StopAtGlobalStep` reads `trainer.global_step` / `trainer.callback_metrics`, agrees with the other ranks through
+  `trainer.strategy.reduce_boolean_decision` (a collective every batch) and would set `trainer.should_stop` (not
+  reached in the zoo's two epochs).
 
 The module itself is a plain classifier on ClassData (own_step_models.py), so runs compare step for step with
 Lightning's own Trainer and across strategies.
@@ -58,7 +59,8 @@ class StopAtGlobalStep(L.Callback):
         self.step = step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step >= self.step and "train_ce" in trainer.callback_metrics:
+        reached = trainer.global_step >= self.step and "train_ce" in trainer.callback_metrics
+        if trainer.strategy.reduce_boolean_decision(reached, all=False):  # any rank: all stop together
             trainer.should_stop = True
 
 

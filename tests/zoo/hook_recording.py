@@ -56,15 +56,24 @@ def _record(calls: list[str], name: str, fn: Any) -> Any:
 
 
 class HookedCallback(L.Callback):
-    """Records each of its hooks as 'Callback.<hook>'; logs the gradient norm before each optimizer step."""
+    """Records each of its hooks as '<name>.<hook>'; logs the gradient norm before each optimizer step."""
 
-    def __init__(self, calls: list[str]) -> None:
+    def __init__(self, calls: list[str], name: str = "Callback") -> None:
+        self.name = name
         for hook in CALLBACK_HOOKS:
-            setattr(self, hook, _record(calls, f"Callback.{hook}", getattr(self, hook)))
+            setattr(self, hook, _record(calls, f"{name}.{hook}", getattr(self, hook)))
+
+    @property
+    def state_key(self) -> str:
+        return self.name
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         norms = [p.grad.norm() for p in pl_module.parameters() if p.grad is not None]
-        pl_module.log("callback_grad_norm", torch.linalg.vector_norm(torch.stack(norms)))
+        pl_module.log(f"{self.name}_grad_norm", torch.linalg.vector_norm(torch.stack(norms)))
+
+
+class TrainerHookedCallback(HookedCallback):
+    """Another type, so that a module's HookedCallback does not replace the Trainer's (Lightning replaces by type)."""
 
 
 class HookedModel(BoringModel):

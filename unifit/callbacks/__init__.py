@@ -6,7 +6,7 @@ from typing import Any
 
 from unifit.callbacks.checkpoint import IntervalCheckpoint, ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
-from unifit.callbacks.lightning_mapping import CallbackPlan, is_lightning_callback, plan_callbacks
+from unifit.callbacks.foreign import CallbackPlan, is_foreign_callback, plan_callbacks
 from unifit.callbacks.nan_guard import NanGuard
 from unifit.callbacks.preemption import Preemption
 from unifit.callbacks.progress import EpochSummary, ProgressBar
@@ -31,7 +31,7 @@ __all__ = [
     "TensorBoardLogger",
     "TimeLimit",
     "default_callbacks",
-    "is_lightning_callback",
+    "is_foreign_callback",
     "plan_callbacks",
 ]
 

@@ -99,8 +99,8 @@ class IntervalCheckpoint(ModelCheckpoint):
 
     AGREE_EVERY = 10
 
-    def __init__(self, config: CheckpointConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: CheckpointConfig, report: Callable[..., None] | None = None) -> None:
+        super().__init__(config, report)
         self._seen_step = -1
         self._last_save = time.monotonic()
 

@@ -1,6 +1,6 @@
 """Lightning callbacks given to unifit (`trainer.callbacks`, a LightningModule's `configure_callbacks()`).
 
-Each is taken one of three ways, decided at set-up, all problems reported at once:
+Each is taken one of three ways (callbacks/foreign.py decides at set-up, all problems reported at once):
 - run as it is, its hooks called where Lightning's Trainer calls them (a user's own `lightning.Callback`,
   `LambdaCallback`, `BasePredictionWriter`, `ModelSummary`...): with a LightningModule;
 - mapped onto what unifit does itself, with the same behaviour (docs/lightning.md#callbacks):
@@ -15,18 +15,16 @@ Each is taken one of three ways, decided at set-up, all problems reported at onc
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
 
 log = logging.getLogger("unifit")
 
 # Lightning callbacks unifit refuses, and why (each is a feature Lightning has that unifit does not offer yet, or
 # cannot honour under its strategies)
-_REFUSED = {
+REFUSED = {
     "BatchSizeFinder": "tunes the batch size with trial fits before training; run Lightning's Tuner once and set "
     "trainer.batch_size",
     "LearningRateFinder": "tunes the learning rate with trial fits before training; run Lightning's Tuner once and "
@@ -49,7 +47,6 @@ _REFUSED = {
     "DeviceStatsMonitor": "reads device statistics through Lightning's accelerator and loggers; log "
     "torch.cuda.memory_allocated() from a callback instead",
 }
-# mapped: Lightning's class name -> what it becomes (updates to the trainer config, or nothing to do)
 _PROGRESS_BARS = ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
 _LOGGED_ALREADY = {
     "LearningRateMonitor": "unifit logs each param group's lr every epoch (lr, lr/group1, ...) and every "
@@ -58,108 +55,10 @@ _LOGGED_ALREADY = {
 }
 
 
-@dataclass
-class CallbackPlan:
-    """What a run does with its Lightning callbacks."""
-
-    config: TrainerConfig  # with the mapped callbacks' settings
-    running: list[Any] = field(default_factory=list)  # run as they are (a LightningModule's run only)
-    lightning: list[Any] = field(default_factory=list)  # every Lightning callback (what trainer.callbacks shows)
-    reports: dict[str, Callable[..., None]] = field(default_factory=dict)  # "checkpoint"/"early_stopping" -> mirror
-
-
-def is_lightning_callback(obj: Any) -> bool:
-    """A lightning.Callback (or pytorch_lightning's), checked by name: lightning is not imported to ask."""
-    return any(
-        c.__name__ == "Callback" and c.__module__.endswith("callbacks.callback")
-        and c.__module__.startswith(("lightning", "pytorch_lightning"))
-        for c in type(obj).__mro__
-    )  # fmt: skip
-
-
-def plan_callbacks(config: TrainerConfig, trainer_callbacks: list[Any], module_callbacks: list[Any]) -> CallbackPlan:
-    """The plan for `trainer_callbacks` (the Trainer's, in order) and `module_callbacks` (configure_callbacks():
-    each replaces the Trainer's of its type, as in Lightning). Every refusal is reported at once."""
-    own_types = {type(cb) for cb in module_callbacks}
-    callbacks = [cb for cb in trainer_callbacks if type(cb) not in own_types] + list(module_callbacks)
-    plan = CallbackPlan(config=config, lightning=callbacks)
-    updates: dict[str, Any] = {}
-    problems: list[str] = []
-    for callback in callbacks:
-        kind = _lightning_kind(callback)
-        try:
-            if kind in _REFUSED:
-                raise ConfigError(f"Lightning's {kind} is not run by unifit: it {_REFUSED[kind]}")
-            mapper = _MAPPED.get(kind) if kind is not None else None
-            if mapper is None:
-                plan.running.append(callback)
-                continue
-            _check_not_customised(callback, kind)
-            for key, value in mapper(callback, plan).items():
-                _claim(updates, config, key, value, kind)
-        except ConfigError as exc:
-            problems.append(f"{type(callback).__name__}: {exc}")
-    if problems:
-        raise ConfigError("trainer.callbacks: " + "; ".join(problems))
-    if updates:
-        plan.config = _updated(config, updates)
-    return plan
-
-
-def _lightning_kind(callback: Any) -> str | None:
-    """The name of the first Lightning class `callback` is (itself or a base), ignoring the Callback base."""
-    for cls in type(callback).__mro__:
-        if cls.__module__.startswith(("lightning", "pytorch_lightning")) and cls.__name__ != "Callback":
-            return "ProgressBar" if cls.__name__ in _PROGRESS_BARS else cls.__name__
-    return None
-
-
-def _check_not_customised(callback: Any, kind: str) -> None:
-    """A subclass of a mapped callback that overrides a hook would lose that code: refused."""
-    base = next(c for c in type(callback).__mro__ if c.__module__.startswith(("lightning", "pytorch_lightning")))
-    own = [
-        name
-        for cls in type(callback).__mro__
-        if cls is not base and cls.__module__ and not cls.__module__.startswith(("lightning", "pytorch_lightning"))
-        for name in vars(cls)
-        if callable(getattr(base, name, None)) and (name.startswith("on_") or name in ("setup", "teardown"))
-    ]
-    if own and kind not in ("ProgressBar",):
-        raise ConfigError(
-            f"a subclass of Lightning's {kind} that overrides {', '.join(sorted(set(own)))}; unifit maps {kind} onto "
-            f"its own, so that code would not run: move it into a lightning.Callback of its own"
-        )
-
-
-def _claim(updates: dict[str, Any], config: TrainerConfig, key: str, value: Any, kind: str) -> None:
-    """One callback sets `key`; a second one, or the same option set in the config, is a conflict."""
-    top = key.split(".")[0]
-    if key in updates:
-        raise ConfigError(
-            f"sets trainer.{top} like another callback before it; unifit keeps one {top} policy: merge them into one"
-        )
-    if top in config.model_fields_set:
-        raise ConfigError(f"sets trainer.{top}, which the config sets too: keep one of the two")
-    updates[key] = value
-
-
-def _updated(config: TrainerConfig, updates: dict[str, Any]) -> TrainerConfig:
-    data = config.model_dump(exclude_unset=True)
-    for key, value in updates.items():
-        top, _, rest = key.partition(".")
-        if rest:
-            data.setdefault(top, {})[rest] = value
-        else:
-            data[top] = value
-    mapped = TrainerConfig.model_validate(data)
-    mapped._batch_size_from = config.batch_size_from
-    return mapped
-
-
 # ---- the mapped callbacks --------------------------------------------------------------------------
-def _model_checkpoint(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
+def _model_checkpoint(cb: Any, plan: Any) -> dict[str, Any]:
     if getattr(cb, "save_on_exception", False):
-        raise ConfigError(f"save_on_exception=True: {_REFUSED['OnExceptionCheckpoint']}")
+        raise ConfigError(f"save_on_exception=True: {REFUSED['OnExceptionCheckpoint']}")
     k, monitor = int(cb.save_top_k), cb.monitor
     if k == 0 and not cb.save_last:
         return {"checkpoint": {"enabled": False}}
@@ -196,7 +95,7 @@ def _mirror_checkpoint(cb: Any, last_path: str, best_path: str | None, best_valu
         cb.kth_best_model_path = max(best_k, key=best_k.get) if cb.mode == "min" else min(best_k, key=best_k.get)
 
 
-def _early_stopping(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
+def _early_stopping(cb: Any, plan: Any) -> dict[str, Any]:
     plan.reports["early_stopping"] = lambda **facts: _mirror_early_stopping(cb, **facts)
     settings = {
         "monitor": cb.monitor,
@@ -221,13 +120,13 @@ def _mirror_early_stopping(cb: Any, wait: int, best: Any, stopped_epoch: int | N
         cb.stopped_epoch = stopped_epoch
 
 
-def _timer(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
+def _timer(cb: Any, plan: Any) -> dict[str, Any]:
     if cb._duration is None:
         return {}
     return {"max_time": float(cb._duration)}
 
 
-def _accumulation(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
+def _accumulation(cb: Any, plan: Any) -> dict[str, Any]:
     scheduling = dict(cb.scheduling)
     if set(scheduling) != {0}:
         raise ConfigError(
@@ -237,12 +136,12 @@ def _accumulation(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
     return {"accumulate_grad_batches": int(scheduling[0])}
 
 
-def _progress_bar(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
+def _progress_bar(cb: Any, plan: Any) -> dict[str, Any]:
     enabled = getattr(cb, "refresh_rate", 1) != 0 and not getattr(cb, "is_disabled", False)
     return {"progress_bar": bool(enabled)}
 
 
-def _logged_already(cb: Any, plan: CallbackPlan) -> dict[str, Any]:
+def _logged_already(cb: Any, plan: Any) -> dict[str, Any]:
     return {}
 
 
@@ -250,7 +149,8 @@ def _minutes(interval: timedelta | None) -> float | None:
     return interval.total_seconds() / 60 if interval is not None else None
 
 
-_MAPPED: dict[str, Callable[[Any, CallbackPlan], dict[str, Any]]] = {
+# Lightning's class name -> the updates to the trainer config it becomes (none: nothing to do)
+MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "ModelCheckpoint": _model_checkpoint,
     "EarlyStopping": _early_stopping,
     "Timer": _timer,
@@ -258,3 +158,37 @@ _MAPPED: dict[str, Callable[[Any, CallbackPlan], dict[str, Any]]] = {
     "ProgressBar": _progress_bar,
     **{kind: _logged_already for kind in _LOGGED_ALREADY},
 }
+
+
+def is_lightning_callback(obj: Any) -> bool:
+    """A lightning.Callback (or pytorch_lightning's), checked by name: lightning is not imported to ask."""
+    return any(
+        c.__name__ == "Callback" and c.__module__.endswith("callbacks.callback")
+        and c.__module__.startswith(("lightning", "pytorch_lightning"))
+        for c in type(obj).__mro__
+    )  # fmt: skip
+
+
+def lightning_kind(callback: Any) -> str | None:
+    """The name of the first Lightning class `callback` is (itself or a base), ignoring the Callback base."""
+    for cls in type(callback).__mro__:
+        if cls.__module__.startswith(("lightning", "pytorch_lightning")) and cls.__name__ != "Callback":
+            return "ProgressBar" if cls.__name__ in _PROGRESS_BARS else cls.__name__
+    return None
+
+
+def check_not_customised(callback: Any, kind: str) -> None:
+    """A subclass of a mapped callback that overrides a hook would lose that code: refused."""
+    base = next(c for c in type(callback).__mro__ if c.__module__.startswith(("lightning", "pytorch_lightning")))
+    own = [
+        name
+        for cls in type(callback).__mro__
+        if cls is not base and cls.__module__ and not cls.__module__.startswith(("lightning", "pytorch_lightning"))
+        for name in vars(cls)
+        if callable(getattr(base, name, None)) and (name.startswith("on_") or name in ("setup", "teardown"))
+    ]
+    if own and kind != "ProgressBar":
+        raise ConfigError(
+            f"a subclass of Lightning's {kind} that overrides {', '.join(sorted(set(own)))}; unifit maps {kind} onto "
+            f"its own, so that code would not run: move it into a lightning.Callback of its own"
+        )

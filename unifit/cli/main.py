@@ -26,7 +26,14 @@ from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
 if TYPE_CHECKING:
     from unifit.strategies.environment import ClusterEnvironment
 
-_SECTIONS = ("module.", "data.", "trainer.")
+_SECTIONS = (
+    "module.",
+    "data.",
+    "trainer.",
+    "model.",
+    "seed_everything",
+    "ckpt_path",
+)  # model...: a LightningCLI file's
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,7 +127,8 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
         flag = items.pop(0)
         if not flag.startswith("--") or not flag[2:].startswith(_SECTIONS):
             raise ConfigError(
-                f"unknown argument '{flag}'; overrides look like --trainer.max_epochs 3 (sections: module, data, trainer)"
+                f"unknown argument '{flag}'; overrides look like --trainer.max_epochs 3 (sections: module, data, trainer; "
+                "model and seed_everything in a LightningCLI file)"
             )
         key, eq, value = flag[2:].partition("=")
         if not eq:
@@ -134,10 +142,14 @@ def parse_overrides(extra: Sequence[str]) -> dict[str, str]:
 def load_experiment(path: str, overrides: dict[str, str]) -> Any:
     """The validated experiment; its strategy and the init_args of its classes are checked after the
     schema, once user code is importable (a strategy may be the class path of the user's own Strategy)."""
+    from unifit.config.lightning_cli import from_lightning_cli, is_lightning_cli
     from unifit.config.loading import apply_overrides, check_classes, load_yaml, validate_experiment
     from unifit.strategies import registry
 
-    experiment = validate_experiment(apply_overrides(load_yaml(path), overrides), source=path)
+    raw = apply_overrides(load_yaml(path), overrides)
+    lightning_run = from_lightning_cli(raw, path) if is_lightning_cli(raw) else None
+    experiment = validate_experiment(lightning_run.experiment if lightning_run else raw, source=path)
+    experiment._lightning_run = lightning_run  # the processes a LightningCLI file asks for, checked where they run
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # let class paths name modules of the working directory
     registry.entry(experiment.trainer.strategy)
@@ -185,6 +197,11 @@ def _experiment_objects(args: argparse.Namespace, overrides: dict[str, str]) -> 
     from unifit.trainer.trainer import Trainer
 
     experiment = load_experiment(args.config, overrides)  # imports the module's class (and torch with it)
+    if experiment._lightning_run is not None:
+        from unifit.config.lightning_cli import check_processes
+
+        env = _launched_environment()
+        check_processes(experiment._lightning_run, env.local_world_size, env.world_size, args.config)
     trainer = Trainer(experiment.trainer)
     trainer.experiment = experiment
     _seed_init(experiment.trainer.seed)

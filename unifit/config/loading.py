@@ -67,17 +67,36 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str
     """Set `a.b.c=value` pairs into nested `data`; values are parsed as YAML ('3' -> 3, 'null' -> None)."""
     for dotted, raw in overrides.items():
         value = parse_yaml(raw) if raw != "" else ""
-        node = data
+        node: Any = data
         keys = dotted.split(".")
         for key in keys[:-1]:
+            if isinstance(node, list):  # a list's item by its index: --trainer.callbacks.0.init_args.path
+                node = _item(node, key, dotted)
+                continue
             child = node.get(key)
             if child is None:
                 child = node[key] = {}
-            if not isinstance(child, dict):
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"override --{dotted}: '{key}' is a {type(child).__name__}, not a section")
             node = child
-        node[keys[-1]] = value
+        if isinstance(node, list):
+            node[_index(node, keys[-1], dotted)] = value
+        else:
+            node[keys[-1]] = value
     return data
+
+
+def _index(items: list[Any], key: str, dotted: str) -> int:
+    if not key.isdigit() or int(key) >= len(items):
+        raise ConfigError(f"override --{dotted}: '{key}' is not an index of a list of {len(items)} items (0-based)")
+    return int(key)
+
+
+def _item(items: list[Any], key: str, dotted: str) -> Any:
+    item = items[_index(items, key, dotted)]
+    if not isinstance(item, (dict, list)):
+        raise ConfigError(f"override --{dotted}: item {key} is a {type(item).__name__}, not a section")
+    return item
 
 
 def validate_experiment(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
@@ -112,14 +131,46 @@ def _check_callbacks(config: TrainerConfig) -> None:
         check(callback.class_path, callback.init_args, f"trainer.callbacks.{i}")
 
 
+# Lightning's Trainer arguments, where a unifit experiment file has them (a LightningCLI file maps them itself)
+_LIGHTNING_NAMES = {
+    "log_every_n_steps": "tensorboard.log_every_n_steps",
+    "check_val_every_n_epoch": "validate_every_n_epochs",
+    "default_root_dir": "root_dir",
+    "enable_checkpointing": "checkpoint.enabled",
+    "enable_progress_bar": "progress_bar",
+    "devices": "the processes per node: unifit launch --nproc-per-node N",
+    "num_nodes": "the nodes: unifit launch --nnodes N",
+}
+
+
 def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str = "") -> str:
-    """Turn pydantic's first error into 'field: received X; fix'."""
-    err = exc.errors(include_url=False)[0]
+    """Every error pydantic found, each as 'field: received X; fix', in one line (a file's problems all at once;
+    one per field: a union's alternatives are not listed one by one)."""
+    seen: dict[str, str] = {}
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        field = prefix + ".".join(loc if err["type"] == "extra_forbidden" else _field_path(model, loc))
+        seen.setdefault(field, _explain_one(err, model, prefix))
+    return "; ".join(seen.values())
+
+
+def _field_path(model: type[BaseModel], loc: list[str]) -> list[str]:
+    """The part of an error's location that names fields (a union member's tag after it is dropped)."""
+    for end in range(len(loc), 0, -1):
+        parent = _model_at(model, loc[: end - 1])
+        if parent is not None and loc[end - 1] in parent.model_fields:
+            return loc[:end]
+    return loc
+
+
+def _explain_one(err: Any, model: type[BaseModel], prefix: str) -> str:
     loc = [str(p) for p in err["loc"]]
     field = prefix + ".".join(loc)
     if err["type"] == "extra_forbidden":
         parent = _model_at(model, loc[:-1])
         hint = ""
+        if parent is TrainerConfig and loc[-1] in _LIGHTNING_NAMES:
+            return f"unknown key '{field}' (Lightning's name; unifit's is {_LIGHTNING_NAMES[loc[-1]]}); rename it"
         if parent is not None:
             close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1)
             hint = (

@@ -191,6 +191,10 @@ class TrainerConfig(_Strict):
     )
     num_workers: NonNegativeInt = Field(0, description="DataLoader worker processes per rank.")
     drop_last: bool = Field(False, description="Drop each rank's last partial training batch.")
+    class_weight: dict[int, float] | None = Field(
+        None,
+        description="Keras modules and compiled models: each training sample's loss weighted by its class's weight (model.fit's class_weight; classes not named weigh 1).",
+    )
     limit_train_batches: PositiveInt | None = Field(
         None, description="Use at most this many training batches per epoch (for quick runs)."
     )
@@ -225,7 +229,8 @@ class TrainerConfig(_Strict):
         description="Resume when no --ckpt-path is given: auto (the last committed checkpoint if there is one, else start fresh; for restarts and spot jobs), last, best, or a checkpoint name or directory.",
     )
     callbacks: list[ClassPath] = Field(
-        default_factory=list, description="Extra callbacks by class path (subclasses of unifit.Callback)."
+        default_factory=list,
+        description="Extra callbacks by class path: subclasses of unifit.Callback, or Lightning callbacks (run as they are or mapped onto unifit's own: docs/lightning.md#callbacks).",
     )
 
     _batch_size_from: str | None = PrivateAttr(None)
@@ -294,6 +299,8 @@ class ExperimentConfig(_Strict):
         description="Optional data provider with train_dataset()/val_dataset(); default: the module's own methods.",
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="See TrainerConfig.")
+
+    _lightning_run: Any = PrivateAttr(None)  # set when the file was a LightningCLI config (config/lightning_cli.py)
 
 
 def join_path(base: str, *parts: str) -> str:

@@ -14,8 +14,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from unifit.callbacks.foreign import CallbackPlan, plan_callbacks
+from unifit.callbacks.keras_callbacks import KerasCallbacks
 from unifit.callbacks.lightning_hooks import LightningEpochEnds, LightningHooks
-from unifit.callbacks.lightning_mapping import CallbackPlan, plan_callbacks
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
 from unifit.loop.callback import Callback
@@ -108,6 +109,7 @@ class Prepared:
     module: ModuleBase
     data: Any
     plan: CallbackPlan  # plan.config: this run's config, with the mapped callbacks' settings
+    callbacks: list[Callback]  # unifit callbacks that run the Keras callbacks given
 
 
 def prepare(config: Any, module: Any, data: Any = None, callbacks: list[Any] | None = None) -> Prepared:
@@ -116,7 +118,13 @@ def prepare(config: Any, module: Any, data: Any = None, callbacks: list[Any] | N
     module, data = trainable(module, data)
     plan = plan_callbacks(config, list(callbacks or []), module.own_callbacks)
     module.use_callbacks(plan.running, plan.lightning)
-    return Prepared(module, data, plan)
+    if plan.keras and module.framework != "tensorflow":
+        raise ConfigError(
+            f"trainer.callbacks: {', '.join(type(cb).__name__ for cb in plan.keras)} (Keras callbacks) run with Keras "
+            f"modules and compiled Keras models, and {type(module).__name__} is a PyTorch module: write them as "
+            "unifit.Callback subclasses, or use Lightning's callbacks with a LightningModule"
+        )
+    return Prepared(module, data, plan, [KerasCallbacks(plan.keras)] if plan.keras else [])
 
 
 def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from unifit.callbacks import default_callbacks, is_lightning_callback, plan_callbacks
+from unifit.callbacks import default_callbacks, is_foreign_callback, plan_callbacks
 from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.checkpoint.store import CheckpointStore
 from unifit.config.init_args import build
@@ -53,7 +53,7 @@ class Trainer:
     def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
         given = list(kwargs.get("callbacks", []))
         for i, c in enumerate(given):
-            if not isinstance(c, (Callback, dict, str)) and not is_lightning_callback(c):
+            if not isinstance(c, (Callback, dict, str)) and not is_foreign_callback(c):
                 raise ConfigError(_foreign_callback(i, c))
         objects = [c for c in given if not isinstance(c, (dict, str))]
         if objects:
@@ -65,15 +65,15 @@ class Trainer:
             build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(self.config.callbacks)
         ]
         for cb in built:
-            if not isinstance(cb, Callback) and not is_lightning_callback(cb):
+            if not isinstance(cb, Callback) and not is_foreign_callback(cb):
                 raise ConfigError(
                     f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback (nor a Lightning "
                     "callback)"
                 )
         every = built + objects
         self.extra_callbacks: list[Callback] = [c for c in every if isinstance(c, Callback)]
-        self.lightning_callbacks: list[Any] = [c for c in every if not isinstance(c, Callback)]
-        plan_callbacks(self.config, self.lightning_callbacks, [])  # a refusal or conflict is known now
+        self.foreign_callbacks: list[Any] = [c for c in every if not isinstance(c, Callback)]
+        plan_callbacks(self.config, self.foreign_callbacks, [])  # a refusal or conflict is known now
         registry.entry(self.config.strategy)  # a registered name, or a Strategy class path importable now
         cfg = self.config  # what the framework must know before its first operation (TensorFlow's devices)
         registry.claim_process(
@@ -97,14 +97,21 @@ class Trainer:
         *,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
+        class_weight: dict[int, float] | None = None,
+        steps_per_epoch: int | None = None,
+        validation_freq: int | None = None,
+        initial_epoch: int = 0,
     ) -> TrainState:
         """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
         ('last', 'best', a checkpoint name or directory). Returns the final TrainState.
 
         Lightning's ways of passing data work too: `fit(model, train_loader, val_loader)`,
-        `train_dataloaders=` / `val_dataloaders=`, `datamodule=`."""
+        `train_dataloaders=` / `val_dataloaders=`, `datamodule=`; and model.fit's `class_weight`,
+        `steps_per_epoch` (trainer.limit_train_batches), `validation_freq` (validate_every_n_epochs) and
+        `initial_epoch` (the epoch a fresh run starts counting from)."""
         data, ckpt_path = passed_data("fit", data, ckpt_path, datamodule, train=train_dataloaders, val=val_dataloaders)
-        prepared = prepare(self.config, module, data, self.lightning_callbacks)
+        config = _with_fit_arguments(self.config, class_weight, steps_per_epoch, validation_freq, initial_epoch)
+        prepared = prepare(config, module, data, self.foreign_callbacks)
         cfg = prepared.plan.config  # with what the Lightning callbacks given map onto (checkpoint, early stopping...)
         given, (module, strategy, engine) = module, set_up(cfg, prepared.module, prepared.data)
         self.state = TrainState()
@@ -116,7 +123,7 @@ class Trainer:
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
             self.state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
-            callbacks = self._callbacks(module, cfg, prepared.plan.reports)
+            callbacks = self._callbacks(module, cfg, prepared)
             ctx = FitContext(
                 config=cfg,
                 state=self.state,
@@ -138,6 +145,7 @@ class Trainer:
                 self._resume(run, ckpt_path or cfg.resume)
             if ctx.resumed_from is None:
                 engine.seed(cfg.seed + strategy.rank)  # per-rank randomness (dropout, augmentation)
+                self.state.progress.epoch = initial_epoch
             dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
             dispatch(Event.SETUP)
             dispatch(Event.FIT_START)
@@ -201,7 +209,7 @@ class Trainer:
 
     def _evaluate(self, stage: str, module: Any, data: Any, ckpt_path: Any, datamodule: Any, dataloaders: Any) -> Any:
         data, ckpt_path = passed_data(stage, data, ckpt_path, datamodule, **{STAGE_SLOT[stage]: dataloaders})
-        return evaluate(self.config, stage, module, data, ckpt_path, self.lightning_callbacks)
+        return evaluate(self.config, stage, module, data, ckpt_path, self.foreign_callbacks)
 
     def save_checkpoint(
         self, name: str | None = None, after_commit: Callable[[CheckpointStore, str], None] | None = None
@@ -281,8 +289,13 @@ class Trainer:
             dispatch(Event.VALIDATION_END)  # what the module logs at its epoch end is reduced there too
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _callbacks(self, module: Any, cfg: TrainerConfig, reports: dict[str, Any]) -> list[Callback]:
-        every = [*default_callbacks(cfg, reports), *self.extra_callbacks, *module.configure_callbacks()]
+    def _callbacks(self, module: Any, cfg: TrainerConfig, prepared: Any) -> list[Callback]:
+        every = [
+            *default_callbacks(cfg, prepared.plan.reports),
+            *self.extra_callbacks,
+            *prepared.callbacks,
+            *module.configure_callbacks(),
+        ]
         first, last = [cb for cb in every if cb.runs_first], [cb for cb in every if cb.runs_last]
         return first + [cb for cb in every if not (cb.runs_first or cb.runs_last)] + last
 
@@ -302,6 +315,43 @@ class Trainer:
         return resolved_yaml(
             ExperimentConfig(module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=cfg)
         )
+
+
+def _with_fit_arguments(
+    config: TrainerConfig, class_weight: Any, steps_per_epoch: Any, validation_freq: Any, initial_epoch: Any
+) -> TrainerConfig:
+    """model.fit's arguments as the trainer options they are; one given both ways must agree."""
+    given = {
+        "class_weight": class_weight,
+        "limit_train_batches": steps_per_epoch,
+        "validate_every_n_epochs": validation_freq,
+    }
+    names = {"limit_train_batches": "steps_per_epoch", "validate_every_n_epochs": "validation_freq"}
+    updates = {}
+    for field, value in given.items():
+        if value is None:
+            continue
+        if field in config.model_fields_set and getattr(config, field) != value:
+            raise ConfigError(
+                f"fit({names.get(field, field)}={value!r}): trainer.{field} is {getattr(config, field)!r}; give one"
+            )
+        updates[field] = value
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not 0 <= initial_epoch:
+        raise ConfigError(f"fit(initial_epoch={initial_epoch!r}): give the epoch to start counting from (0 or more)")
+    if initial_epoch >= config.max_epochs:
+        raise ConfigError(
+            f"fit(initial_epoch={initial_epoch}): max_epochs is {config.max_epochs}, so no epoch would train; "
+            "raise max_epochs (the epoch count training ends at, as model.fit's epochs)"
+        )
+    if not updates:
+        return config
+    try:
+        updated = validate_trainer({**config.model_dump(exclude_unset=True), **updates})
+    except ConfigError as exc:
+        arguments = ", ".join(f"{names.get(k, k)}={v!r}" for k, v in updates.items())
+        raise ConfigError(f"fit({arguments}): {exc}") from None
+    updated._batch_size_from = config.batch_size_from
+    return updated
 
 
 def _check_storage(cfg: TrainerConfig) -> None:

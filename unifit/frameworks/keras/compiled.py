@@ -249,6 +249,9 @@ class CompiledModel(KerasModule):
     def stateful_metrics(self) -> dict[str, Any]:
         return {name: fn.fresh() for name, fn in self._metrics if isinstance(fn, _Stateful)}
 
+    def metric_names(self) -> list[str]:
+        return [name for name, _ in self._metrics]
+
     def metrics(self, y: Any, y_pred: Any) -> dict[str, Any]:
         values = {}
         for name, fn in self._metrics:

@@ -81,6 +81,40 @@ def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
     )
 
 
+def with_class_weight(data: Any, class_weight: dict[int, float], what: str) -> Any:
+    """model.fit's class_weight as per-sample weights of the training data (arrays or a pipeline): each sample
+    weighs its class's weight (1 for a class not named); the class is the label, or the argmax of a one-hot y."""
+    table = np.ones(max(class_weight) + 1, np.float32)
+    for label, weight in class_weight.items():
+        table[label] = weight
+    if isinstance(data, tf.data.Dataset):
+        if len(data.element_spec) == 3:
+            raise ConfigError(f"trainer.class_weight: {what} has sample weights too; give one of the two, as model.fit")
+        lookup = tf.constant(table)
+        return data.map(lambda x, y: (x, y, tf.gather(lookup, _element_label(y))))
+    columns = arrays(data, what)
+    if len(columns) == 3:
+        raise ConfigError(f"trainer.class_weight: {what} has sample weights too; give one of the two, as model.fit")
+    labels = _array_labels(columns[1])
+    if labels.max(initial=0) >= len(table):
+        table = np.concatenate([table, np.ones(int(labels.max()) + 1 - len(table), np.float32)])
+    return (*columns, table[labels])
+
+
+def _array_labels(y: np.ndarray) -> np.ndarray:
+    """Class indices of a label array: integer labels (n,) or (n, 1), or one-hot rows (n, C)."""
+    if y.ndim == 2 and y.shape[1] > 1:
+        return y.argmax(axis=1)
+    return y.reshape(len(y)).astype(np.int64)
+
+
+def _element_label(y: Any) -> Any:
+    """The class index of one element's label: a scalar, shape (1,), or a one-hot row."""
+    if y.shape.rank == 1 and y.shape[0] is not None and y.shape[0] > 1:
+        return tf.argmax(y, output_type=tf.int32)
+    return tf.cast(tf.reshape(y, []), tf.int32)
+
+
 def check_dataset(data: Any, what: str) -> None:
     """One line for a dataset unifit cannot batch: not (x, y[, w]) elements, batched, or endless."""
     spec = data.element_spec

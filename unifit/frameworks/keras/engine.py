@@ -39,10 +39,10 @@ import tensorflow as tf  # noqa: E402
 
 from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
-from unifit.frameworks.keras.data import LazyData, unbatched  # noqa: E402
+from unifit.frameworks.keras.data import LazyData, unbatched, with_class_weight  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
-from unifit.frameworks.keras.lr import with_policy  # noqa: E402
+from unifit.frameworks.keras.lr import LearningRateControl, with_policy  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.keras.stateful import KerasMetricValue  # noqa: E402
 from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
@@ -93,6 +93,8 @@ class KerasEngine(KerasEvaluation, Engine):
         self.precision = make_precision(cfg.precision)
         train, presharded = self._rank_data(self.data.train_dataset())
         train, batched_by = unbatched(train)
+        if cfg.class_weight:
+            train = with_class_weight(train, cfg.class_weight, "train_dataset()")
         cfg = self.config = self._adopt_batch_size(batched_by)
         self._set_up_replicas()
         self.train_presharded = presharded
@@ -157,6 +159,8 @@ class KerasEngine(KerasEvaluation, Engine):
             self.step_optimizer.build(model.trainable_variables)
         self.training.broadcast_variables(model.variables + self.step_optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
+        self.module.trained_optimizer = self.optimizer
+        self.module.learning_rate = self.lr_control = LearningRateControl(self.schedule, lambda: self._steps)
         self._train_fn = tf.function(self._distributed_step(train=True))
         self._val_fn = tf.function(self._distributed_step(train=False))
         self._untried = {"training", "validation"} if cfg.compile else set()  # XLA compiles at the first call
@@ -446,13 +450,18 @@ class KerasEngine(KerasEvaluation, Engine):
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer_steps": self.optimizer_steps, "precision": self.precision.state_dict()}
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "precision": self.precision.state_dict(),
+            "lr_scale": self.lr_control.scale,  # what Keras callbacks (ReduceLROnPlateau...) set the rate to
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.strategy.collective_guard("checkpoint restore"):
             read_tf_files(state["tf_files"], self._checkpoint()).assert_consumed()
         self._steps = int(state["optimizer_steps"])
         self.precision.load_state_dict(state.get("precision", {}))  # the float16 loss scale
+        self.lr_control.scale = float(state.get("lr_scale", 1.0))
 
     def _checkpoint(self) -> Any:
         return tf.train.Checkpoint(model=self.module.model, optimizer=self.optimizer)

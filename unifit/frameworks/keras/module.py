@@ -39,6 +39,10 @@ class KerasModule(ModuleBase):
     def __init__(self) -> None:
         self.model: Any = None
 
+    # set by the engine while fit trains: what Keras callbacks reach through model.optimizer
+    trained_optimizer: Any = None  # the optimizer the step uses (the compiled one's twin, with unifit's lr schedule)
+    learning_rate: Any = None  # frameworks/keras/lr.py's LearningRateControl
+
     def build_model(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define build_model() returning a keras.Model")
 
@@ -49,6 +53,10 @@ class KerasModule(ModuleBase):
 
     def loss(self, y: Any, y_pred: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define loss(y, y_pred) returning per-example losses")
+
+    def metric_names(self) -> list[str]:
+        """The names metrics are logged under (val/<name>): Keras callbacks' mode="auto" looks them up."""
+        return []
 
     def metrics(self, y: Any, y_pred: Any) -> dict[str, Any]:
         """Per-example metric values by name (logged as train/<name> and val/<name>)."""

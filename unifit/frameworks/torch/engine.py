@@ -21,6 +21,7 @@ from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.evaluation import TorchEvaluation
+from unifit.frameworks.torch.module import restore_modes, training_modes
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import Precision, make_precision
 from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _loss_of
@@ -79,6 +80,11 @@ class TorchEngine(TorchEvaluation, Engine):
         cfg, strategy = self.config, self.strategy
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
         self._move = self.device.type != "cpu"
+        if cfg.class_weight:
+            raise ConfigError(
+                "trainer.class_weight: model.fit's option for Keras models; for a PyTorch module weigh the classes in "
+                "the loss (torch.nn.functional.cross_entropy(..., weight=...))"
+            )
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage("fit")
         self.module.to(self.device)
@@ -266,8 +272,7 @@ class TorchEngine(TorchEvaluation, Engine):
 
     # ---- training -----------------------------------------------------------------------
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
-        self.module.train()
-        self._epoch = epoch
+        self._epoch = epoch  # the module's modes are its own, as in Lightning (validation gives them back)
         if self._stream:  # a stream skips whole batches; a sampler skips sample indices
             self.train_loader.dataset.set_epoch(epoch, skip)
         else:
@@ -378,7 +383,7 @@ class TorchEngine(TorchEvaluation, Engine):
         """Lightning's order around a validation inside fit: gradients released, the model in eval mode (the
         module's hooks), then each submodule's mode from before restored, or the module's own hook."""
         module = self.module
-        modes = [(m, m.training) for m in module.modules()]  # a frozen part in eval mode stays so
+        modes = training_modes(module)  # a frozen part in eval mode stays so
         module.on_validation_model_zero_grad()
         module.on_validation_model_eval()
         self._rank_zero_buffers()
@@ -387,8 +392,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if module.overrides_model_train():
             module.on_validation_model_train()
         else:
-            for part, training in modes:
-                part.training = training
+            restore_modes(modes)
 
     def val_batches(self) -> Iterator[Any]:
         yield from self._batches_of(self.val_loaders, self.config.limit_val_batches)

@@ -22,7 +22,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.torch.data import batch_size_of
 from unifit.frameworks.torch.lightning_logger import TensorBoardView
 from unifit.frameworks.torch.lightning_trainer import TrainerView
-from unifit.frameworks.torch.module import TrainModule
+from unifit.frameworks.torch.module import TrainModule, restore_modes, training_modes
 from unifit.frameworks.torch.step_seams import STEP_HOOKS
 from unifit.frameworks.torch.user_loaders import Several
 
@@ -326,6 +326,7 @@ class LightningAdapter(TrainModule):
         """Lightning's order: on_<stage>_start, on_<stage>_epoch_start (validate: 'validation')."""
         self.view.training, self.view.stage = False, stage
         name = _HOOK_STAGE[stage]
+        self._modes_before = training_modes(self)
         getattr(self.lightning, f"on_{name}_model_eval")()
         log = stage != "predict"  # Lightning allows self.log in the validation and test hooks only
         self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_start")
@@ -338,6 +339,8 @@ class LightningAdapter(TrainModule):
         self.fan_out(f"on_{name}_end")
         if stage != "predict" and _overrides(self.lightning, f"on_{name}_model_train"):
             getattr(self.lightning, f"on_{name}_model_train")()
+        else:
+            restore_modes(self.__dict__.pop("_modes_before", []))
         self.teardown()
 
     def _call_step(self, name: str, *args: Any) -> Any:

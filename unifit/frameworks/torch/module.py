@@ -112,8 +112,12 @@ class TrainModule(ModuleBase, torch.nn.Module):
         eval mode), as in Lightning."""
 
     def on_evaluation_start(self, stage: str) -> None:
-        """Before Trainer.validate/test/predict's first batch: the model in eval mode."""
+        """Before Trainer.validate/test/predict's first batch: the model in eval mode (its modes given back after)."""
+        self._modes_before = training_modes(self)
         self.eval()
+
+    def on_evaluation_end(self, stage: str) -> None:
+        restore_modes(self.__dict__.pop("_modes_before", []))
 
     def overrides_model_train(self) -> bool:
         return type(self).on_validation_model_train is not TrainModule.on_validation_model_train
@@ -149,9 +153,21 @@ class TrainModule(ModuleBase, torch.nn.Module):
             raise ConfigError(f"{type(self).__name__}: optimizers and backward are offered only while fit() trains")
         return self._unifit_steps
 
+    _modes_before: list[tuple[torch.nn.Module, bool]] = []
+
     def _detach(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             if hasattr(value, "full_tensor"):  # a DTensor (computed from fsdp's sharded parameters): its whole value
                 value = value.full_tensor()
             return value.detach()
         return TorchmetricValue(value) if is_torchmetric(value) else value
+
+
+def training_modes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Each submodule's mode, so that a part kept in eval mode (a frozen backbone) stays so after evaluation."""
+    return [(part, part.training) for part in module.modules()]
+
+
+def restore_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    for part, training in modes:
+        part.training = training

@@ -1,0 +1,295 @@
+"""Lightning callbacks under unifit: every hook of a module and of its callbacks called in the order Lightning's own
+Trainer calls them (the golden test), Lightning's ModelCheckpoint / EarlyStopping mapped onto unifit's with the same
+outcome, callback state in checkpoints, `trainer.logger`, and one-line refusals (all problems at once). Under
+ddp / fsdp / smddp-like / horovod the zoo's callback module (tests/zoo/callback_models.py) runs in test_zoo.py."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+    StochasticWeightAveraging,
+    TQDMProgressBar,
+)
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import unifit
+from tests.probe.lightning_probe import Regressor
+from tests.zoo.hook_recording import HookedCallback, HookedData, HookedModel, TrainerHookedCallback
+from unifit.config.schema import TrainerConfig
+from unifit.errors import ConfigError
+
+QUIET = {"progress_bar": False, "tensorboard": {"enabled": False}, "lr_scaling": "none"}
+LIMITS = {"max_epochs": 2, "limit_train_batches": 4, "limit_val_batches": 2, "accumulate_grad_batches": 2}
+
+
+def _lightning(**kwargs) -> L.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(**{**options, **kwargs})
+
+
+def _hooked_run(kind: str, stage: str, root) -> list[str]:
+    """One fit (or validate/test/predict) of the recording module, with a callback of the Trainer's and one from
+    configure_callbacks(), under `kind` ("lightning" or "unifit"); every call in order."""
+    calls: list[str] = []
+    torch.manual_seed(0)
+    model = HookedModel(calls, callbacks=(HookedCallback(calls, "Module's"),))
+    data, trainers = HookedData(calls), [TrainerHookedCallback(calls, "Trainer's")]
+    if kind == "lightning":
+        trainer = _lightning(callbacks=trainers, **LIMITS)
+        getattr(trainer, stage)(model, datamodule=data)
+    else:
+        trainer = unifit.Trainer(
+            callbacks=trainers, root_dir=str(root), checkpoint={"enabled": False}, **QUIET, **LIMITS
+        )
+        getattr(trainer, stage)(model, data)
+    return calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+def test_every_hook_of_the_module_and_its_callbacks_runs_in_lightnings_order(tmp_path, stage):
+    theirs, ours = _hooked_run("lightning", stage, tmp_path), _hooked_run("unifit", stage, tmp_path)
+    first_difference = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    assert ours == theirs, (
+        first_difference,
+        theirs[first_difference - 3 : first_difference + 5],
+        ours[first_difference - 3 : first_difference + 5],
+    )
+    if stage == "fit":  # what the comparison covers, so that it cannot pass empty
+        for call in (
+            "Trainer's.on_before_optimizer_step",
+            "Module's.on_train_epoch_end",
+            "on_after_batch_transfer",
+            "on_validation_model_eval",
+            "Module's.setup",
+            "optimizer_zero_grad",
+            "lr_scheduler_step",
+        ):
+            assert call in ours, call  # fmt: skip
+        assert ours.index("configure_callbacks") < ours.index("DataModule.setup") < ours.index("Trainer's.setup")
+
+
+class _Augmenting(BoringModel):
+    """Moves and changes its batches itself, as GPU augmentation written in on_after_batch_transfer does."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch * 2.0
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_a_step_gets_is_what_the_transfer_hooks_made(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 32, generator=g), batch_size=2)
+    trained = {}
+    for kind in ("lightning", "unifit", "plain"):
+        torch.manual_seed(0)
+        model = BoringModel() if kind == "plain" else _Augmenting()
+        if kind == "lightning":
+            _lightning(max_epochs=1).fit(model, train_dataloaders=loader)
+        else:
+            unifit.Trainer(max_epochs=1, root_dir=str(tmp_path / kind), **QUIET).fit(model, train_dataloaders=loader)
+        trained[kind] = model.layer.weight.detach().clone()
+    assert torch.equal(trained["unifit"], trained["lightning"])
+    assert not torch.equal(trained["unifit"], trained["plain"])  # the hook changed what was trained on
+
+
+class _FrozenPart(BoringModel):
+    """A part kept in eval mode (a frozen BatchNorm backbone, say): validation must not switch it back to train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Dropout(0.5)
+        self.modes: list[bool] = []
+
+    def on_train_start(self) -> None:
+        self.frozen.eval()
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.modes.append(self.frozen.training or not self.layer.training)
+
+
+@pytest.mark.timeout(120)
+def test_validation_gives_back_each_submodules_own_mode(tmp_path):
+    model = _FrozenPart()
+    unifit.Trainer(
+        max_epochs=2, limit_train_batches=3, limit_val_batches=1, val_check_interval=1, root_dir=str(tmp_path), **QUIET
+    ).fit(model)
+    assert len(model.modes) == 6 and not any(model.modes), model.modes
+
+
+def _regressor() -> Regressor:
+    torch.manual_seed(0)
+    return Regressor()
+
+
+@pytest.mark.timeout(120)
+def test_modelcheckpoint_and_earlystopping_end_as_under_lightning(tmp_path):
+    """Lightning's own callbacks, mapped: the same epochs trained, the same early stop, the same k best epochs kept
+    (mode max on a falling val_mse: the first two), the user's objects told their paths, scores and stop."""
+
+    def callbacks(dirpath):
+        return [
+            ModelCheckpoint(dirpath=str(dirpath), monitor="val_mse", mode="max", save_top_k=2),
+            EarlyStopping(monitor="val_mse", patience=2, min_delta=10.0),  # nothing counts as better: stops at 3
+            LearningRateMonitor(logging_interval="step"),
+            TQDMProgressBar(refresh_rate=0),
+        ]
+
+    theirs, lightning_callbacks = _regressor(), callbacks(tmp_path / "lightning")
+    _lightning(
+        max_epochs=8,
+        callbacks=lightning_callbacks,
+        enable_checkpointing=True,
+        enable_progress_bar=True,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path),
+    ).fit(theirs)
+    ours, our_callbacks = _regressor(), callbacks(tmp_path / "unifit")
+    state = unifit.Trainer(
+        max_epochs=8, batch_size=8, root_dir=str(tmp_path / "run"), callbacks=our_callbacks, **QUIET
+    ).fit(ours)
+
+    assert state.epoch == lightning_callbacks[1].stopped_epoch + 1 == 3
+    assert our_callbacks[1].stopped_epoch == lightning_callbacks[1].stopped_epoch
+    assert our_callbacks[1].wait_count == lightning_callbacks[1].wait_count == 2
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    ckpt, their_ckpt = our_callbacks[0], lightning_callbacks[0]
+    kept = sorted(p.name for p in (tmp_path / "unifit").iterdir() if p.name.startswith("epoch="))
+    assert kept == ["epoch=0001-step=0000008", "epoch=0002-step=0000016", "epoch=0003-step=0000024"]  # 2 best + newest
+    their_best_epochs = sorted(int(path.split("epoch=")[1].split("-")[0]) + 1 for path in their_ckpt.best_k_models)
+    our_best_epochs = sorted(int(path.split("epoch=")[1].split("-")[0]) for path in ckpt.best_k_models)
+    assert our_best_epochs == their_best_epochs == [1, 2]
+    assert ckpt.best_model_path.endswith("/epoch=0001-step=0000008")
+    assert float(ckpt.best_model_score) == pytest.approx(float(their_ckpt.best_model_score), rel=1e-5)
+    assert ckpt.last_model_path.endswith("/epoch=0003-step=0000024")
+    # the best checkpoint, by the path the user's ModelCheckpoint holds, evaluates
+    metrics = unifit.Trainer(
+        batch_size=8, root_dir=str(tmp_path / "run"), checkpoint={"dir": str(tmp_path / "unifit")}, **QUIET
+    ).validate(_regressor(), ckpt_path=ckpt.best_model_path)
+    assert metrics["val_mse"] == pytest.approx(float(ckpt.best_model_score), rel=1e-6)
+
+
+class _Counting(L.Callback):
+    """State of its own (saved with a checkpoint and restored), and Lightning's logger from a callback."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.saved_keys: list[str] = []
+        self.loaded: dict | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        if trainer.is_global_zero:
+            trainer.logger.log_metrics({"batches_seen": self.batches}, step=trainer.global_step)
+            trainer.logger.experiment.add_histogram("first_layer", pl_module.net[0].weight, trainer.global_step)
+        keep = trainer.strategy.reduce_boolean_decision(True)  # a collective, as Lightning's EarlyStopping makes
+        assert keep and trainer.strategy.broadcast("rank 0's") == "rank 0's"
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = dict(state_dict)
+        self.batches = state_dict["batches"]
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.saved_keys = sorted(checkpoint)
+
+
+class _LogsThroughItsLogger(Regressor):
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        self.logger.experiment.add_scalar("module_epoch", self.current_epoch, self.global_step)
+
+
+@pytest.mark.timeout(120)
+def test_callback_state_is_checkpointed_and_the_logger_is_tensorboards(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    counting = _Counting()
+    options = dict(batch_size=8, root_dir=str(tmp_path), progress_bar=False, lr_scaling="none")
+    unifit.Trainer(max_epochs=2, callbacks=[counting], **options).fit(_LogsThroughItsLogger())
+    assert counting.batches == 16 and counting.saved_keys == ["callbacks"]
+    resumed = _Counting()
+    unifit.Trainer(max_epochs=3, callbacks=[resumed], **options).fit(_LogsThroughItsLogger(), ckpt_path="last")
+    assert resumed.loaded == {"batches": 16} and resumed.batches == 24
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0}).Reload()
+    tags = events.Tags()
+    assert "first_layer" in tags["histograms"], tags
+    assert {"batches_seen", "module_epoch"} <= set(tags["scalars"]), tags
+    assert [e.value for e in events.Scalars("batches_seen")][-1] == 24
+
+
+class _EarlyStoppingWithHook(EarlyStopping):
+    def on_validation_end(self, trainer, pl_module) -> None:
+        print("custom")
+
+
+def _refused(message: str, *, module=None, **kwargs) -> str:
+    with pytest.raises(ConfigError) as caught:
+        trainer = unifit.Trainer(max_epochs=1, root_dir="/tmp/unused-unifit", **QUIET, **kwargs)
+        trainer.fit(module or BoringModel())
+    text = str(caught.value)
+    assert "\n" not in text and message in text, text
+    return text
+
+
+class _TrainModule(unifit.TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+
+@pytest.mark.timeout(120)
+def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
+    both = _refused(
+        "StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), OnExceptionCheckpoint(str(tmp_path))]
+    )
+    assert "OnExceptionCheckpoint" in both and "keeps a second, averaged model" in both
+    _refused("which the config sets too", callbacks=[ModelCheckpoint(monitor="x")], checkpoint={"keep_last_n": 2})
+    _refused(
+        "sets trainer.checkpoint like another callback",
+        callbacks=[ModelCheckpoint(), ModelCheckpoint(every_n_train_steps=5)],
+    )
+    _refused("changes accumulation during training", callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})])
+    _refused("overrides on_validation_end", callbacks=[_EarlyStoppingWithHook(monitor="x")])
+    _refused(
+        "run with a LightningModule, and _TrainModule is not one",
+        module=_TrainModule(),
+        callbacks=[HookedCallback([], "x")],
+    )
+
+
+@pytest.mark.timeout(120)
+def test_lightning_callbacks_by_class_path_in_yaml(tmp_path):
+    config = TrainerConfig.model_validate(
+        {
+            "max_epochs": 6,
+            "batch_size": 8,
+            "root_dir": str(tmp_path),
+            **QUIET,
+            "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.EarlyStopping", "init_args": {"monitor": "val_mse", "patience": 1, "min_delta": 10.0}},
+                {"class_path": "lightning.pytorch.callbacks.GradientAccumulationScheduler", "init_args": {"scheduling": {0: 2}}},
+            ],
+        }
+    )  # fmt: skip
+    state = unifit.Trainer(config).fit(_regressor())
+    assert state.epoch == 2  # patience 1: the second epoch did not improve by 10
+    assert state.global_step == 8  # 8 batches of 8 per epoch, accumulating 2
