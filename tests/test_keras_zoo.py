@@ -1,8 +1,10 @@
 """The Keras zoo (tests/zoo/keras_models.py): keras-io's "image classification from scratch" (augmentation
-layers mapped over the batched pipeline, BatchNormalization, SeparableConv2D) and "text classification from
-scratch" (TextVectorization mapped over the pipeline, Embedding, Conv1D), compiled keras.Models with batched
-tf.data pipelines as the pages write them, trained by unifit under every Keras strategy in 32-true,
-bf16-mixed and 16-mixed. One launch per strategy runs the whole zoo in one TensorFlow start per process.
+layers mapped over the batched pipeline, BatchNormalization, SeparableConv2D), "text classification from
+scratch" (TextVectorization mapped over the pipeline, Embedding, Conv1D) and "timeseries forecasting for weather
+prediction" (timeseries_dataset_from_array, LSTM, with the page's EarlyStopping and ModelCheckpoint callbacks),
+compiled keras.Models with batched tf.data pipelines as the pages write them, trained by unifit under every Keras
+strategy in 32-true, bf16-mixed and 16-mixed. One launch per strategy runs the whole zoo in one TensorFlow start
+per process.
 
 What must hold:
 - single process equals Keras' own model.fit on the same pipeline, number for number (every precision:
@@ -41,16 +43,16 @@ LAUNCHES = {  # strategy -> (processes, driver args)
             "--batch",
             "32",
             "--models",
-            "image-plain,text",
+            "image-plain,text,weather",
             "--reference",
             "--resume",
             "--precisions",
             "32-true,bf16-mixed,16-mixed",
         ],
     ),
-    "mirrored": (1, ["--models", "image,text", "--resume", "--strategy-options", json.dumps({"devices": 2})]),
-    "mwms": (2, ["--models", "image,text", "--resume"]),
-    "horovod": (2, ["--models", "image,text", "--resume"]),
+    "mirrored": (1, ["--models", "image,text,weather", "--resume", "--strategy-options", json.dumps({"devices": 2})]),
+    "mwms": (2, ["--models", "image,text,weather", "--resume"]),
+    "horovod": (2, ["--models", "image,text,weather", "--resume"]),
 }
 DISTRIBUTED = ["mirrored", "mwms", "horovod"]
 
@@ -146,3 +148,24 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_pat
     assert "error" not in resumed and resumed["crashed"], resumed
     diff = _max_diff(z.weights("text", "32-true"), z.weights("text", "32-true", "resume"))
     assert diff == 0.0, f"{strategy}: resumed weights differ from the uninterrupted run's by {diff}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", list(LAUNCHES))
+def test_a_keras_io_page_with_its_callbacks_ends_as_under_model_fit(strategy, tmp_path_factory):
+    """The weather page's EarlyStopping and ModelCheckpoint(save_best_only, save_weights_only), passed to unifit as
+    to model.fit: one process ends with model.fit's weights, checkpoint file and stop; two replicas with the same
+    validation loss, the checkpoint file written once (by rank 0) and read the same by every process."""
+    single, z = zoo("single", tmp_path_factory), zoo(strategy, tmp_path_factory)
+    theirs = single.record("weather", "32-true", "keras")
+    assert "error" not in theirs, theirs
+    for rank in range(len(z.ranks)):
+        ours = z.record("weather", "32-true", rank=rank)
+        assert "error" not in ours and ours.get("checkpoint_digest"), (strategy, rank, ours)
+        assert ours["stopped_epoch"] == theirs["stopped_epoch"]
+        val_loss = ours["epochs"][-1]["val/loss"]
+        assert val_loss == pytest.approx(theirs["epochs"][0]["val_loss"], rel=1e-4 if strategy != "single" else 1e-6)
+        if strategy == "single":
+            assert ours["digest"] == theirs["digest"] and ours["checkpoint_digest"] == theirs["checkpoint_digest"]
+        else:
+            assert ours["checkpoint_digest"] == z.record("weather", "32-true")["checkpoint_digest"]

@@ -7,7 +7,12 @@ download), compiled keras.Models with batched tf.data pipelines, which is how us
   32x32 images instead of 180x180, dropout 0 so the strategies can be compared);
 - text: "Text classification from scratch" (keras-io/examples/nlp/text_classification_from_scratch):
   TextVectorization adapted on the raw text and mapped over the batched dataset, Embedding, Conv1D,
-  GlobalMaxPooling1D and a sigmoid output, binary cross-entropy (a 200-word vocabulary, 16-token sentences).
+  GlobalMaxPooling1D and a sigmoid output, binary cross-entropy (a 200-word vocabulary, 16-token sentences);
+- weather: "Timeseries forecasting for weather prediction" (keras-io/examples/timeseries/timeseries_weather_forecasting):
+  normalised features, keras.utils.timeseries_dataset_from_array windows (sampling_rate 6), an LSTM(32) and a
+  Dense(1), Adam and mse, and its callbacks: EarlyStopping(monitor="val_loss", min_delta=0, patience) and
+  ModelCheckpoint(save_weights_only=True, save_best_only=True) (7 synthetic features instead of the Jena
+  climate set, patience 1 instead of 5 for the zoo's few epochs).
 
 Each builder returns (compiled model, training pipeline, validation pipeline, per-replica batch); the
 same seed gives the same weights and data in every process."""
@@ -129,9 +134,62 @@ def text_classifier(batch: int) -> tuple[Any, Any, Any, int]:
     return model, train_ds, val_ds, batch
 
 
+# ---- timeseries forecasting for weather prediction ---------------------------------------------
+STEP, PAST, FUTURE, FEATURES = 6, 120, 12, 7
+
+
+def _climate(n: int, seed: int) -> np.ndarray:
+    """Seven smooth daily-cycle signals with noise; the first is the temperature to forecast."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n, dtype=np.float64)
+    phases = rng.uniform(0, 2 * np.pi, FEATURES)
+    series = np.sin(2 * np.pi * t[:, None] / 144 + phases) + 0.1 * rng.normal(size=(n, FEATURES))
+    return series.astype(np.float32)
+
+
+def normalize(data: np.ndarray, train_split: int) -> np.ndarray:
+    data_mean = data[:train_split].mean(axis=0)
+    data_std = data[:train_split].std(axis=0)
+    return (data - data_mean) / data_std
+
+
+def weather_forecaster(batch: int) -> tuple[Any, Any, Any, int]:
+    keras.utils.set_random_seed(0)
+    features = normalize(_climate(3000, seed=3), 2000)
+    train_data, val_data = features[:2000], features[2000:]
+    start, sequence_length = PAST + FUTURE, int(PAST / STEP)
+    x_train, y_train = train_data[: 2000 - start], features[start:2000][:, [0]]
+    dataset_train = keras.utils.timeseries_dataset_from_array(
+        x_train, y_train, sequence_length=sequence_length, sampling_rate=STEP, batch_size=batch
+    )
+    x_end = len(val_data) - start
+    x_val, y_val = val_data[:x_end], features[2000 + start :][:, [0]]
+    dataset_val = keras.utils.timeseries_dataset_from_array(
+        x_val, y_val, sequence_length=sequence_length, sampling_rate=STEP, batch_size=batch
+    )
+    inputs = keras.layers.Input(shape=(sequence_length, FEATURES))
+    lstm_out = keras.layers.LSTM(32)(inputs)
+    outputs = keras.layers.Dense(1)(lstm_out)
+    model = keras.Model(inputs=inputs, outputs=outputs)
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.001), loss="mse")
+    return model, dataset_train, dataset_val, batch
+
+
+def weather_callbacks(folder: str) -> list[Any]:
+    """The example's callbacks, as it writes them (its checkpoint path in `folder`)."""
+    path_checkpoint = f"{folder}/model_checkpoint.weights.h5"
+    es_callback = keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0, patience=1)
+    modelckpt_callback = keras.callbacks.ModelCheckpoint(
+        monitor="val_loss", filepath=path_checkpoint, verbose=1, save_weights_only=True, save_best_only=True
+    )
+    return [es_callback, modelckpt_callback]
+
+
 MODELS = {
     "image": image_classifier,
     "text": text_classifier,
     # without its random augmentation: what can be compared number for number across strategies
     "image-plain": lambda batch: image_classifier(batch, augment=False),
+    "weather": weather_forecaster,
 }
+CALLBACKS = {"weather": weather_callbacks}  # the callbacks a model's page passes to model.fit

@@ -303,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # WARNING lines would come before unifit's one-line answer (the Keras engine sets the same; yours wins)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     script: list[str] = []
+    if argv[:1] == ["script"]:  # a launched rank of `unifit launch -- SCRIPT.py [ARGS]`
+        return _run_script(argv[1:])
     if argv[:1] == ["launch"] and "--" in argv:  # unifit launch [flags] -- SCRIPT.py [ARGS]
         at = argv.index("--")
         argv, script = argv[:at], argv[at + 1 :]
@@ -362,6 +364,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         own = [f for f in frames if "site-packages" not in f.filename] or frames  # the user's or unifit's code
         where = f" (at {own[-1].filename}:{own[-1].lineno} in {own[-1].name})" if own else ""
         return _exit_with(f"{type(exc).__name__}: {first_line(exc)}{where}; UNIFIT_DEBUG=1 shows the traceback", 1)
+
+
+def _run_script(script: list[str]) -> int:
+    """Run SCRIPT.py [ARGS] as `python SCRIPT.py` would (its own __main__, argv and path); a refusal of unifit's
+    (UnifitError) ends it with unifit's one line and exit code instead of a traceback; any other error is the
+    script's own, shown as Python shows it."""
+    import runpy
+
+    if not script:
+        return _exit_with("unifit script: give SCRIPT.py [ARGS]", 2)
+    sys.argv = list(script)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+    except UnifitError as exc:
+        if os.environ.get("UNIFIT_DEBUG"):
+            raise
+        return _exit_with(str(exc), exc.exit_code)
+    return 0
 
 
 def _exit_with(message: str, code: int) -> int:

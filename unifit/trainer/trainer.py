@@ -367,25 +367,11 @@ def _check_storage(cfg: TrainerConfig) -> None:
         check_writable(url, cfg.storage_options, where)
 
 
-# what unifit already does for the callbacks users bring from Keras
-_EQUIVALENTS = {
-    "ModelCheckpoint": "trainer.checkpoint (rank 0, atomic, best/last)",
-    "EarlyStopping": "trainer.early_stopping",
-    "CSVLogger": "<root_dir>/metrics.jsonl (written by every run)",
-    "TensorBoard": "trainer.tensorboard",
-    "ReduceLROnPlateau": "a ReduceLROnPlateau scheduler from configure_optimizers with 'monitor'",
-    "LearningRateScheduler": "a schedule in configure_optimizers (and trainer.warmup_epochs)",
-    "BackupAndRestore": "trainer.checkpoint.every_n_steps with --ckpt-path auto",
-}
-
-
 def _foreign_callback(i: int, callback: Any) -> str:
-    kind = type(callback).__name__
-    instead = _EQUIVALENTS.get(kind)
-    hint = f"use {instead} instead" if instead else "write it as a unifit.Callback subclass (one method per event)"
+    kind = f"{type(callback).__module__}.{type(callback).__qualname__}"
     return (
-        f"trainer.callbacks[{i}]: received a {type(callback).__module__}.{kind}, which is not a unifit.Callback; "
-        f"Keras callbacks do not run in unifit's loop: {hint}"
+        f"trainer.callbacks[{i}]: received a {kind}, which is not a callback: give a unifit.Callback subclass "
+        "(one method per event), a Lightning callback or a Keras callback"
     )
 
 

@@ -135,9 +135,12 @@ def check_dataset(data: Any, what: str) -> None:
             f"{[tuple(s.shape) for s in flat]}) by something other than .batch(); pass it unbatched "
             "(dataset.unbatch()): unifit batches per replica itself with trainer.batch_size"
         )
-    if len(spec) == 3 and getattr(spec[2], "shape", None) is not None and spec[2].shape.rank not in (None, 0):
+    weights = getattr(spec[2], "shape", None) if len(spec) == 3 else None
+    if weights is not None and batch_size_of(data) is not None and weights.rank:
+        weights = weights[1:]  # a pipeline batched by .batch(): its elements' weights
+    if weights is not None and weights.rank not in (None, 0):
         raise ConfigError(
-            f"{what}: sample weights have element shape {tuple(spec[2].shape)}; give one scalar weight per element"
+            f"{what}: sample weights have element shape {tuple(weights)}; give one scalar weight per element"
         )
     if int(data.cardinality()) == tf.data.INFINITE_CARDINALITY:
         raise ConfigError(

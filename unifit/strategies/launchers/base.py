@@ -115,8 +115,11 @@ def failure_line(codes: Mapping[int | str, int], stopped_by: str) -> str:
 
 
 def fit_command(spec: LaunchSpec) -> list[str]:
-    """What each started process runs (after the Python interpreter): unifit's command, or the script."""
-    return list(spec.script) or ["-m", "unifit", spec.command, *spec.fit_args]
+    """What each started process runs (after the Python interpreter): unifit's command, or the script (run by
+    `unifit script`, which answers unifit's refusals in one line, as for an experiment file)."""
+    if spec.script:
+        return ["-m", "unifit", "script", *spec.script]
+    return ["-m", "unifit", spec.command, *spec.fit_args]
 
 
 # How `unifit launch` tells the processes it starts about the terminal it runs in. A launcher may
