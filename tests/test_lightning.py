@@ -105,11 +105,6 @@ def _bad(module, message: str, trainer: dict | None = None, **kwargs) -> None:
     assert "\n" not in text and message in text, text
 
 
-class _OwnBackward(BoringModel):
-    def backward(self, loss, *args, **kwargs) -> None:
-        loss.backward()
-
-
 class _MedianReduce(BoringModel):
     def training_step(self, batch, batch_idx):
         loss = self.step(batch)
@@ -132,7 +127,6 @@ def test_what_unifit_cannot_honour_is_refused_in_one_line():
     # manual optimization trains (tests/test_zoo.py); what Lightning refuses with it is refused alike
     _bad(ManualOptimBoringModel(), "accumulate in training_step", trainer={"accumulate_grad_batches": 2})
     _bad(ManualOptimBoringModel(), "call self.clip_gradients(opt", trainer={"gradient_clip_val": 1.0})
-    _bad(_OwnBackward(), "overrides backward; unifit's precision and strategy own backward")
     _bad(_MedianReduce(), "self.log('peak'): reduce_fx='median'; use one of mean, sum, max, min")
     _bad(_LogsAtFitStart(), "self.log('early', ...) outside the hooks where Lightning allows it")
     _bad(_SkipsBatches(), "training_step returned None")
@@ -434,3 +428,33 @@ def test_values_logged_per_step_are_written_per_step_in_tensorboard(tmp_path):
     asked = acc.Scalars("asked_step")  # 64 batches of 1: written after steps 16, 32, 48, 64 (batch_idx = step - 1)
     assert [(e.step, e.value) for e in asked] == [(s, 2.0 * (s - 1)) for s in (16, 32, 48, 64)]
     assert [e.value for e in acc.Scalars("asked")] == [63.0]  # the epoch mean of 2 x batch_idx
+
+
+class _TwoSchedulers(BoringModel):
+    """One optimizer driven by two schedulers at once, as Lightning steps them (a decay per epoch and a warmup
+    per step, a common pairing)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        decay = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=3)
+        return [opt], [{"scheduler": decay, "interval": "epoch"}, {"scheduler": warmup, "interval": "step"}]
+
+
+@pytest.mark.timeout(120)
+def test_several_schedulers_for_one_optimizer_step_as_under_lightning(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 32, generator=g), batch_size=2)
+    trained = []
+    for kind in ("lightning", "unifit"):
+        torch.manual_seed(0)
+        model = _TwoSchedulers()
+        if kind == "lightning":
+            _lightning_trainer(3).fit(model, train_dataloaders=loader)
+        else:
+            Trainer(max_epochs=3, root_dir=str(tmp_path), lr_scaling="none", **QUIET).fit(
+                model, train_dataloaders=loader
+            )
+        trained.append(model)
+    theirs, ours = trained
+    assert torch.equal(ours.layer.weight, theirs.layer.weight)

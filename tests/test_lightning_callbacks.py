@@ -293,3 +293,66 @@ def test_lightning_callbacks_by_class_path_in_yaml(tmp_path):
     state = unifit.Trainer(config).fit(_regressor())
     assert state.epoch == 2  # patience 1: the second epoch did not improve by 10
     assert state.global_step == 8  # 8 batches of 8 per epoch, accumulating 2
+
+
+class _OwnBackward(BoringModel):
+    """Overrides backward (Lightning's hook), as modules that call backward their own way do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses_seen: list[float] = []
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        self.losses_seen.append(float(loss))  # under 16-mixed: the scaled loss, as Lightning hands it
+        loss.backward(*args, **kwargs)
+
+
+class _TwiceThroughOneGraph(BoringModel):
+    """Manual optimization that backpropagates twice through one graph: manual_backward(retain_graph=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        out = self.layer(batch)
+        first, second = out.pow(2).mean(), out.abs().mean()
+        opt.zero_grad()
+        self.manual_backward(first, retain_graph=True)
+        self.manual_backward(second)
+        opt.step()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_modules_own_backward_and_backwards_arguments(tmp_path, precision):
+    g = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 32, generator=g), batch_size=2)
+    for cls in (_OwnBackward, _TwiceThroughOneGraph):
+        trained = []
+        for kind in ("lightning", "unifit"):
+            torch.manual_seed(0)
+            model = cls()
+            if kind == "lightning":
+                _lightning(max_epochs=1, precision=precision).fit(model, train_dataloaders=loader)
+            else:
+                trainer = unifit.Trainer(max_epochs=1, root_dir=str(tmp_path / kind), precision=precision, **QUIET)
+                trainer.fit(model, train_dataloaders=loader)
+            trained.append(model)
+        theirs, ours = trained
+        assert torch.equal(ours.layer.weight, theirs.layer.weight), (cls.__name__, precision)
+        if cls is _OwnBackward:
+            assert len(ours.losses_seen) == 4 and ours.losses_seen == pytest.approx(theirs.losses_seen, rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_modules_own_backward_gets_the_scaled_loss_under_16_mixed(tmp_path):
+    """Lightning hands backward the GradScaler's scaled loss (it runs 16-mixed on GPUs only; unifit on CPU too)."""
+    g = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 32, generator=g), batch_size=2)
+    model = _OwnBackward()
+    trainer = unifit.Trainer(max_epochs=1, root_dir=str(tmp_path), precision="16-mixed", **QUIET)
+    trainer.fit(model, train_dataloaders=loader)
+    assert len(model.losses_seen) == 4 and model.losses_seen[0] > 1000  # scaled by 2**16 at first
+    assert torch.isfinite(model.layer.weight).all()

@@ -57,7 +57,7 @@ class _CrashAt(unifit.Callback):
 def _fit(root, make=_Stepped, ckpt_path=None, data="boring", **options) -> tuple[_Stepped, unifit.TrainState]:
     torch.manual_seed(0)  # the same initial weights in every run
     module = make()
-    trainer = Trainer(strategy="single", root_dir=str(root), **QUIET, **options)
+    trainer = Trainer(**{"strategy": "single", "root_dir": str(root), **QUIET, **options})
     return module, trainer.fit(module, BoringDataModule() if data == "boring" else data, ckpt_path=ckpt_path)
 
 
@@ -100,8 +100,16 @@ def test_val_check_interval_validates_inside_epochs_without_changing_the_trainin
         for key, value in plain.state_dict().items():
             torch.testing.assert_close(module.state_dict()[key], value, rtol=0, atol=0)
         assert _jsonl(tmp_path / str(interval))[-1]["val_loss"] == _jsonl(tmp_path / "plain")[-1]["val_loss"]
-    with pytest.raises(unifit.ConfigError, match="inside a window of accumulate_grad_batches=3; validate between"):
-        _fit(tmp_path / "bad", max_epochs=1, val_check_interval=16, accumulate_grad_batches=3)
+    # inside an accumulation window too, as Lightning validates: the gradients being accumulated are kept
+    accumulating, _ = _fit(tmp_path / "acc", max_epochs=2, accumulate_grad_batches=3)
+    inside, _ = _fit(
+        tmp_path / "acc-inside", make=_CountsValidations, max_epochs=2, val_check_interval=16, accumulate_grad_batches=3
+    )
+    assert inside.validated_at[:2] == [(0, 5), (0, 10)]  # after batches 16 and 32: mid-window (steps of 3)
+    for key, value in accumulating.state_dict().items():
+        torch.testing.assert_close(inside.state_dict()[key], value, rtol=0, atol=0)
+    with pytest.raises(unifit.ConfigError, match="inside a window of accumulate_grad_batches=3, where this strategy"):
+        _fit(tmp_path / "fsdp", max_epochs=1, val_check_interval=16, accumulate_grad_batches=3, strategy="fsdp")
 
 
 @pytest.mark.timeout(300)

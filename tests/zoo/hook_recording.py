@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 # every hook Lightning's Trainer calls on a LightningModule (core/hooks.py's ModelHooks, DataHooks and
-# CheckpointHooks, and the module's own step methods), but `backward`, which unifit's precision owns
+# CheckpointHooks, and the module's own step methods)
 MODULE_HOOKS = (
     "prepare_data", "setup", "configure_model", "configure_optimizers", "configure_callbacks",
     "on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
@@ -29,7 +29,7 @@ MODULE_HOOKS = (
     "training_step", "validation_step", "test_step", "predict_step",
     "train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader",
     "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
-    "on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "on_after_backward",
+    "on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward", "on_after_backward",
     "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step", "lr_scheduler_step",
     "on_save_checkpoint", "on_load_checkpoint", "teardown",
 )  # fmt: skip

@@ -52,6 +52,12 @@ class Engine(ABC):
         self.config = cfg.model_copy(update={"max_epochs": epochs})
         return min(cfg.max_steps, steps_per_epoch * epochs)
 
+    @property
+    def validates_mid_accumulation(self) -> bool:
+        """Whether a validation may run between two micro-batches of an accumulation window (the gradients
+        being accumulated survive it)."""
+        return False
+
     @contextmanager
     def validating(self) -> Iterator[None]:
         """Around one validation inside fit, its hooks included: the model in evaluation mode (where the

@@ -67,6 +67,8 @@ class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     Options = FSDPOptions
     routes_all_steps = True
+    # accumulating, FSDP2 keeps unsharded gradients that a validation's gather and reshard would disturb
+    validates_mid_accumulation = False
     _checkpoint_group: Any = None
     _views: _ViewOutputs | None = None
 
@@ -183,10 +185,10 @@ class FSDPStrategy(DDPStrategy):
             return self.options.param_dtype
         return "bfloat16" if device.type == "cuda" else "float32"
 
-    def backward(self, loss: Any) -> None:
+    def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:
         if self._views is not None:
             self._views.check_unmodified()  # an in-place op on a unit's view output would skip its all-gather
-        super().backward(loss)
+        super().backward(loss, *args, run=run, **kwargs)
 
     def _mesh(self, device: Any) -> Any:
         from torch.distributed.device_mesh import init_device_mesh

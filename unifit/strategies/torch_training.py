@@ -39,6 +39,9 @@ class TorchTraining:
     # a sharded model gathers its parameters in its root wrapper's forward: every step (validation
     # too) must go through it, not straight to the module's method
     routes_all_steps = False
+    # the gradients of an accumulation window are plain tensors in .grad that an evaluation forward leaves alone,
+    # so a validation may run inside the window (Lightning's val_check_interval in batches); not under fsdp
+    validates_mid_accumulation = True
     # set by the engine when the module has hooks between backward and the step (Lightning's
     # on_before_optimizer_step, configure_gradient_clipping): called with the optimizer once its
     # gradients are averaged and unscaled, in place of clipping by clip_val
@@ -66,8 +69,9 @@ class TorchTraining:
         """Around forward and backward of a micro-batch that does not step: no gradient sync."""
         return _PLAIN
 
-    def backward(self, loss: Any) -> None:
-        self.precision.backward(loss)
+    def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:
+        """Backward through the precision; `run`: the module's own backward hook (Lightning's), given the scaled loss."""
+        self.precision.backward(loss, *args, run=run, **kwargs)
 
     def synchronized_gradients(self, optimizer: Any) -> ContextManager[Any]:
         """Context around clipping and the step: gradients are averaged over ranks on entry."""

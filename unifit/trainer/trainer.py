@@ -227,7 +227,7 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
         cfg, state, progress = ctx.config, ctx.state, ctx.state.progress  # this fit's (max_steps: its epochs)
-        check_every = _val_check_batches(cfg, progress.batches_per_epoch)
+        check_every = _val_check_batches(cfg, progress.batches_per_epoch, engine.validates_mid_accumulation)
         for epoch in range(progress.epoch, cfg.max_epochs):
             if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:
                 break  # resumed from a checkpoint taken at max_steps
@@ -399,17 +399,18 @@ def _progress_of(engine: Any, accumulate: int) -> Progress:
     )
 
 
-def _val_check_batches(cfg: TrainerConfig, batches_per_epoch: int) -> int | None:
-    """Training batches between two validations inside an epoch (trainer.val_check_interval), or None."""
+def _val_check_batches(cfg: TrainerConfig, batches_per_epoch: int, mid_accumulation: bool) -> int | None:
+    """Training batches between two validations inside an epoch (trainer.val_check_interval), or None. Inside an
+    accumulation window (as Lightning validates) only where the engine keeps the gradients being accumulated."""
     interval = cfg.val_check_interval
     if interval is None:
         return None
     every = interval if isinstance(interval, int) else max(1, int(batches_per_epoch * interval))
-    if every % cfg.accumulate_grad_batches:
+    if every % cfg.accumulate_grad_batches and not mid_accumulation:
         raise ConfigError(
             f"trainer.val_check_interval: {interval} gives a validation every {every} batches, inside a window of "
-            f"accumulate_grad_batches={cfg.accumulate_grad_batches}; validate between optimizer steps: give a "
-            f"multiple of {cfg.accumulate_grad_batches} batches"
+            f"accumulate_grad_batches={cfg.accumulate_grad_batches}, where this strategy's gradients being "
+            f"accumulated would not survive a validation; give a multiple of {cfg.accumulate_grad_batches} batches"
         )
     return every
 

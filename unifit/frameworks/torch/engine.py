@@ -58,9 +58,8 @@ class TorchEngine(TorchEvaluation, Engine):
     wrapped: Any  # the module to call for a step, wrapped by the strategy (DDP, FSDP)
     optimizer: Any  # automatic optimization's one optimizer (manual: the first)
     optimizers: list[Any]  # every optimizer configure_optimizers() returned, wrapped by the strategy
-    schedule: Any  # the parsed configure_optimizers() schedule, or None (manual: the module steps its own)
-    schedules: list[Any]
-    scheduler: Any
+    schedules: list[Any]  # every schedule configure_optimizers() returned (SchedulerSpec)
+    stepped: list[Any]  # the schedules unifit steps: all of them (manual optimization: none, the module does)
     seams: StepSeams  # the step opened to the module (self.optimizers(), manual optimization, step hooks)
     _seamed: bool  # the module takes part in the step: it runs through the seams
     policy: LRPolicy
@@ -91,6 +90,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self._transfer = self.module.batch_transfer(self.device)
         self._epochs_done = 0
         self._scheduled_epoch = -1  # the last epoch whose epoch-interval schedule has stepped
+        self._mid_window = False  # the last micro-batch did not step: gradients are being accumulated
 
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
@@ -184,14 +184,12 @@ class TorchEngine(TorchEvaluation, Engine):
             self.wrapped, optimizer = training.setup_module_and_optimizer(
                 step_module, self.optimizers[0], self.device, self.precision, self.accumulate
             )
-            if optimizer is not self.optimizers[0] and self.schedules:
-                self.schedules[
-                    0
-                ].scheduler.optimizer = optimizer  # same param groups; the scheduler follows the wrapper
+            if optimizer is not self.optimizers[0]:
+                for spec in self.schedules:  # same param groups; the schedulers follow the wrapper
+                    spec.scheduler.optimizer = optimizer
             self.optimizers = [optimizer]
         self.optimizer = self.optimizers[0]
-        self.schedule = None if manual or not self.schedules else self.schedules[0]
-        self.scheduler = self.schedule.scheduler if self.schedule is not None else None
+        self.stepped = [] if manual else list(self.schedules)
         self.seams = StepSeams(self, manual, hooked=bool(hooks & set(STEP_HOOKS)))
         self._seamed = manual or self.seams.hooked  # the step runs through the seams, with the module's parts
         self.module.bind_steps(self.seams)
@@ -267,6 +265,10 @@ class TorchEngine(TorchEvaluation, Engine):
         return torch.get_num_threads()
 
     @property
+    def validates_mid_accumulation(self) -> bool:
+        return bool(self.training.validates_mid_accumulation)
+
+    @property
     def optimizer_steps(self) -> int:
         return self._steps
 
@@ -303,8 +305,10 @@ class TorchEngine(TorchEvaluation, Engine):
         else:
             with self.training.accumulating(self.wrapped):
                 loss = self._forward_backward(batch, batch_idx)
-        if batch_idx + 1 == self._batches:  # as Lightning: the epoch's schedule steps in its last batch
+        last = batch_idx + 1 == self._batches
+        if last:  # as Lightning: the epoch's schedule steps in its last batch
             self._epoch_schedule()
+        self._mid_window = accumulate != 1 and (batch_idx + 1) % accumulate != 0 and not last
         if self._move:
             loss = loss.detach()  # kept as a tensor: read once at epoch end, no device sync per step
             self.collector.add("train/loss", loss, count)
@@ -337,41 +341,36 @@ class TorchEngine(TorchEvaluation, Engine):
             for group, lr in zip(optimizer.param_groups, scheduled):
                 group["lr"] = lr
         self._steps = step + 1
-        schedule = self.schedule
-        if schedule is not None and schedule.interval == "step" and self._steps % schedule.frequency == 0:
-            self.module.lr_scheduler_step(schedule.scheduler, None)
+        for schedule in self.stepped:
+            if schedule.interval == "step" and self._steps % schedule.frequency == 0:
+                self.module.lr_scheduler_step(schedule.scheduler, None)
 
     def end_of_epoch(self) -> None:
         self._epoch_schedule()  # an epoch that ended early (max_steps, a stop) steps its schedule here
         self._epochs_done += 1
 
     def _epoch_schedule(self) -> None:
-        """An epoch-interval schedule steps once per epoch, after the epoch's last optimizer step."""
-        schedule = self.schedule
+        """The epoch-interval schedules step once per epoch, after the epoch's last optimizer step."""
         if self._scheduled_epoch == self._epochs_done:
             return
         self._scheduled_epoch = self._epochs_done
-        if (
-            schedule is not None
-            and schedule.interval == "epoch"
-            and not schedule.monitor
-            and (self._epochs_done + 1) % schedule.frequency == 0
-        ):
-            self.module.lr_scheduler_step(schedule.scheduler, None)
+        for schedule in self.stepped:
+            if schedule.interval == "epoch" and not schedule.monitor and (self._epochs_done + 1) % schedule.frequency == 0:
+                self.module.lr_scheduler_step(schedule.scheduler, None)
 
     def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
         """A monitored scheduler (ReduceLROnPlateau) steps on the epoch's reduced metrics, identical
         on every rank; on epochs without validation a validation metric is not there, so it waits."""
-        schedule = self.schedule
-        if schedule is None or not schedule.monitor or self._epochs_done % schedule.frequency:
-            return
-        if schedule.monitor in metrics:
-            self.module.lr_scheduler_step(schedule.scheduler, metrics[schedule.monitor])
-        elif validated or not self.has_validation:
-            raise ConfigError(
-                f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
-                f"'{schedule.monitor}', which was not logged; logged metrics: {sorted(metrics)}"
-            )
+        for schedule in self.stepped:
+            if not schedule.monitor or self._epochs_done % schedule.frequency:
+                continue
+            if schedule.monitor in metrics:
+                self.module.lr_scheduler_step(schedule.scheduler, metrics[schedule.monitor])
+            elif validated or not self.has_validation:
+                raise ConfigError(
+                    f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
+                    f"'{schedule.monitor}', which was not logged; logged metrics: {sorted(metrics)}"
+                )
 
     def current_lrs(self) -> list[float]:
         ramp = self.policy.ramp(self._steps)
@@ -384,7 +383,8 @@ class TorchEngine(TorchEvaluation, Engine):
         module's hooks), then each submodule's mode from before restored, or the module's own hook."""
         module = self.module
         modes = training_modes(module)  # a frozen part in eval mode stays so
-        module.on_validation_model_zero_grad()
+        if not self._mid_window:  # the gradients being accumulated stay (Lightning's order)
+            module.on_validation_model_zero_grad()
         module.on_validation_model_eval()
         self._rank_zero_buffers()
         with self.separate_metrics():
@@ -431,7 +431,7 @@ class TorchEngine(TorchEvaluation, Engine):
     def state_dict(self) -> dict[str, Any]:
         return {
             **self.training.training_state(self.module, self._optimizer_state_target()),  # (shards, where sharded)
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "schedulers": [s.scheduler.state_dict() for s in self.schedules],
             **self._manual_state(),
             "optimizer_steps": self._steps,
             "epochs_done": self._epochs_done,
@@ -444,11 +444,11 @@ class TorchEngine(TorchEvaluation, Engine):
         self.training.load_training_state(
             self.module, self._optimizer_state_target(), state, self.config.storage_options
         )
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+        # "scheduler": the one schedule of a checkpoint written before several were taken
+        saved = state.get("schedulers") or ([state["scheduler"]] if state.get("scheduler") is not None else [])
+        for spec, scheduler_state in zip(self.schedules, saved):
+            spec.scheduler.load_state_dict(scheduler_state)
         if self._is_manual():
-            for spec, saved in zip(self.schedules, state.get("schedulers", [])):
-                spec.scheduler.load_state_dict(saved)
             self.seams.steps_taken = list(state.get("steps_taken", self.seams.steps_taken))
         self._steps = int(state["optimizer_steps"])
         self._epochs_done = int(state.get("epochs_done", 0))
@@ -476,7 +476,7 @@ class TorchEngine(TorchEvaluation, Engine):
     def _manual_state(self) -> dict[str, Any]:
         if not self._is_manual():
             return {}
-        return {"schedulers": [s.scheduler.state_dict() for s in self.schedules], "steps_taken": self.seams.steps_taken}
+        return {"steps_taken": self.seams.steps_taken}
 
     def rng_state(self) -> dict[str, Any]:
         return {

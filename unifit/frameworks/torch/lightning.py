@@ -26,9 +26,6 @@ from unifit.frameworks.torch.module import TrainModule, restore_modes, training_
 from unifit.frameworks.torch.step_seams import STEP_HOOKS
 from unifit.frameworks.torch.user_loaders import Several
 
-# overrides refused: `backward` would have to receive the precision's scaled loss and skip fsdp's
-# check of modified views; configure_sharded_model is Lightning 1.x's (configure_model replaced it)
-_REFUSED_HOOKS = ("backward", "manual_backward", "configure_sharded_model")
 # Trainer.validate/test/predict -> the word in Lightning's hook names
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
 # the hooks Lightning moves a batch to the device with, in its order
@@ -80,14 +77,6 @@ class LightningAdapter(TrainModule):
 
     def __init__(self, lightning_module: Any, datamodule: Any = None, given: Any = None) -> None:
         super().__init__()
-        name = type(lightning_module).__name__
-        overridden = [hook for hook in _REFUSED_HOOKS if _overrides(lightning_module, hook)]
-        if overridden:
-            raise ConfigError(
-                f"module: {name} overrides {', '.join(overridden)}; unifit's precision and strategy own "
-                "backward (loss scaling, sharded gradients): move the code to on_before_backward / "
-                "on_after_backward, which unifit calls around it"
-            )
         self.lightning = lightning_module
         self.datamodule = datamodule
         self.given = given  # loaders passed to fit/validate/test/predict (trainer/adapt.py's GivenData), or None
@@ -193,6 +182,8 @@ class LightningAdapter(TrainModule):
         if self.datamodule is not None:
             self.datamodule.setup(self.stage)
         self.fan_out("setup", self.stage)
+        if _overrides(self.lightning, "configure_sharded_model"):  # Lightning 1.x's name, still called by 2.x
+            self.lightning.configure_sharded_model()
         self.lightning.configure_model()
 
     def teardown(self) -> None:
@@ -247,6 +238,10 @@ class LightningAdapter(TrainModule):
     def bind_steps(self, seams: Any) -> None:
         super().bind_steps(seams)
         self.view.seams = seams
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The LightningModule's backward hook, given the (scaled) loss, as Lightning's precision plugin calls it."""
+        self.lightning.backward(loss, *args, **kwargs)
 
     def on_before_zero_grad(self, optimizer: Any) -> None:
         self._call_step("on_before_zero_grad", optimizer)

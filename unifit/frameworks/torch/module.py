@@ -70,6 +70,10 @@ class TrainModule(ModuleBase, torch.nn.Module):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         optimizer.zero_grad()
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward of the loss (scaled under 16-mixed); override to run it your way (Lightning's hook)."""
+        loss.backward(*args, **kwargs)
+
     def on_before_backward(self, loss: torch.Tensor) -> None:
         """Before backward of the loss (as training_step returned it)."""
 

@@ -4,8 +4,9 @@ Accepted, as Lightning documents them:
     optimizer | [optimizer] | (optimizer, scheduler) | ([optimizer], [scheduler])
     {"optimizer": o, "lr_scheduler": scheduler | {"scheduler": s, "interval", "frequency", "monitor"},
      "monitor": ..., "interval": ...}
-Automatic optimization steps exactly one optimizer (as in Lightning 2.x); several optimizers (GANs,
-actor-critic) are for manual optimization, where the module steps them and its schedulers itself.
+Automatic optimization steps exactly one optimizer (as in Lightning 2.x), with any number of schedulers
+(each stepped at its own interval, in order, as Lightning does); several optimizers (GANs, actor-critic)
+are for manual optimization, where the module steps them and its schedulers itself.
 A scheduler that is not torch's (timm's) is accepted when the module steps it in lr_scheduler_step.
 """
 
@@ -74,8 +75,6 @@ def parse_optimizers(
         for i, group in enumerate(optimizer.param_groups):
             if group["lr"] < 0:
                 raise ConfigError(f"{where}: param group {i} has lr={group['lr']}; the learning rate must be >= 0")
-    if len(schedulers) > 1 and not manual:
-        raise ConfigError(f"{where} returned {len(schedulers)} schedulers; return at most one")
     specs = [_scheduler_spec(s, where, top_monitor, top_interval, manual, own_scheduler_step) for s in schedulers]
     for spec in specs:
         if getattr(spec.scheduler, "optimizer", optimizers[0]) not in optimizers:

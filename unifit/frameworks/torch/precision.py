@@ -27,8 +27,10 @@ class Precision:
         """`cache`: keep the cast weights for the region (off when weights change inside it: manual optimization)."""
         return _PLAIN
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def backward(self, loss: torch.Tensor, *args: Any, run: Any = None, **kwargs: Any) -> None:
+        """Backward of the loss (scaled, under a loss-scaling precision) through `run(loss, *args, **kwargs)`: the
+        module's own backward hook, or Tensor.backward."""
+        (run or torch.Tensor.backward)(loss, *args, **kwargs)
 
     def unscale(self, optimizer: Any) -> None:
         """Bring gradients to their true scale (before clipping)."""
@@ -57,8 +59,9 @@ class MixedPrecision(Precision):
             return _cpu_float16(cache)
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=cache)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, *args: Any, run: Any = None, **kwargs: Any) -> None:
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        (run or torch.Tensor.backward)(scaled, *args, **kwargs)
 
     def unscale(self, optimizer: Any) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:

@@ -29,6 +29,7 @@ from unifit.errors import ConfigError
 
 # the hooks a module may override to take part in the step (TrainModule's names, which are Lightning's)
 STEP_HOOKS = (
+    "backward",
     "on_before_zero_grad",
     "optimizer_zero_grad",
     "on_before_backward",
@@ -80,10 +81,11 @@ class StepSeams:
         return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """Lightning's strategy.backward: the hooks around the precision's (scaled) backward."""
+        """Lightning's strategy.backward: the hooks around the precision's (scaled) backward, which runs the
+        module's own `backward` hook (`args`: Tensor.backward's, e.g. retain_graph=True)."""
         module = self.engine.module
         module.on_before_backward(loss)
-        self.engine.training.backward(loss)
+        self.engine.training.backward(loss, *args, run=module.backward, **kwargs)
         module.on_after_backward()
         if self.manual:
             self._losses.append(loss.detach())
