@@ -458,3 +458,28 @@ def test_several_schedulers_for_one_optimizer_step_as_under_lightning(tmp_path):
         trained.append(model)
     theirs, ours = trained
     assert torch.equal(ours.layer.weight, theirs.layer.weight)
+
+
+class _TwoPredictSets(BoringModel):
+    """predict_dataloader returns two loaders: predict_step gets dataloader_idx, as in Lightning."""
+
+    def predict_dataloader(self):
+        g = torch.Generator().manual_seed(3)
+        return [
+            torch.utils.data.DataLoader(torch.randn(10, 32, generator=g), batch_size=4),
+            torch.utils.data.DataLoader(torch.randn(6, 32, generator=g), batch_size=4),
+        ]
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self.layer(batch) + dataloader_idx
+
+
+@pytest.mark.timeout(120)
+def test_several_predict_loaders_give_a_list_of_predictions(tmp_path):
+    torch.manual_seed(0)
+    module = _TwoPredictSets()
+    theirs = _lightning_trainer(1).predict(module)  # per loader, a list of batch outputs
+    ours = Trainer(root_dir=str(tmp_path), **QUIET).predict(module)
+    assert isinstance(ours, list) and [len(p) for p in ours] == [10, 6]
+    for mine, their_batches in zip(ours, theirs):
+        torch.testing.assert_close(mine, torch.cat(their_batches), rtol=0, atol=0)

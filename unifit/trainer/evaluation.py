@@ -67,13 +67,14 @@ def evaluate(
                 log.info("%s: weights of %s", stage, result.checkpoint)
         engine.collector.reset()
         module.on_evaluation_start(stage)
-        kept: list[Any] = []
+        kept: dict[int, list[Any]] = {}  # loader -> its samples' outputs, in this rank's order
         for batch_idx, batch in enumerate(engine.eval_batches()):
             outputs = engine.eval_step(batch, batch_idx)
             if stage == "predict":
-                kept.extend(engine.unbatch(outputs))
+                kept.setdefault(engine.eval_loader, []).extend(engine.unbatch(outputs))
         if stage == "predict":
-            result.predictions = _in_dataset_order(strategy, engine, kept)
+            ordered = [_in_dataset_order(strategy, engine, kept.get(i, []), i) for i in range(engine.eval_loader_count)]
+            result.predictions = ordered[0] if len(ordered) == 1 else ordered  # several loaders: a list, as Lightning
         else:
             result.metrics = engine.collector.reduce(strategy)
         module.on_evaluation_end(stage)
@@ -85,9 +86,9 @@ def evaluate(
         strategy.teardown()
 
 
-def _in_dataset_order(strategy: Any, engine: Any, samples: list[Any]) -> Any:
-    """Every rank's (index, sample) pairs on rank 0, sorted by dataset index and collated."""
-    indices = list(engine.eval_indices())
+def _in_dataset_order(strategy: Any, engine: Any, samples: list[Any], loader: int = 0) -> Any:
+    """Every rank's (index, sample) pairs of one loader on rank 0, sorted by dataset index and collated."""
+    indices = list(engine.eval_indices(loader))
     if len(indices) != len(samples):
         raise ConfigError(
             f"predict_step returned {len(samples)} samples for the {len(indices)} this rank predicted; "

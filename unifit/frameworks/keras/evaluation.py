@@ -102,8 +102,11 @@ class KerasEvaluation:
             return None
         return outputs.numpy()
 
-    def eval_indices(self) -> Sequence[int]:
+    def eval_indices(self, loader: int = 0) -> Sequence[int]:
         return self._eval_indices[: sum(self._eval_sizes)].tolist()
+
+    eval_loader = 0  # a Keras stage reads one dataset
+    eval_loader_count = 1
 
     def unbatch(self, outputs: Any) -> list[Any]:
         return list(outputs)

@@ -55,11 +55,6 @@ class TorchEvaluation:
                 "give a map-style Dataset (with __len__ and __getitem__)"
             )
         several = user_loaders.each_loader(dataset)
-        if stage == "predict" and len(several) > 1:
-            raise ConfigError(
-                f"{source}(): {len(several)} loaders; unifit predicts one dataset at a time in dataset order: "
-                "call predict once per loader (dataloaders=...)"
-            )
         self.eval_loaders = [
             user_loaders.evaluation_loader(
                 each,
@@ -111,8 +106,17 @@ class TorchEvaluation:
                 self._position = (i,) if len(loaders) == 1 else (i, index)
                 yield transfer(batch, index) if transfer is not None else batch
 
-    def eval_indices(self) -> Sequence[int]:
-        return user_loaders.shard_indices(self.eval_loaders[0])
+    def eval_indices(self, loader: int = 0) -> Sequence[int]:
+        return user_loaders.shard_indices(self.eval_loaders[loader])
+
+    @property
+    def eval_loader(self) -> int:
+        """Which loader the batch just yielded came from."""
+        return self._position[1] if len(self._position) > 1 else 0
+
+    @property
+    def eval_loader_count(self) -> int:
+        return len(self.eval_loaders)
 
     def eval_step(self, batch: Any, batch_idx: int) -> Any:
         """As validation_step: the position within the batch's loader (and which loader)."""

@@ -311,10 +311,11 @@ class LightningAdapter(TrainModule):
         finally:
             self._loader_idx = None
 
-    def predict_step(self, batch: Any, batch_idx: int) -> Any:
-        self.fan_out("on_predict_batch_start", batch, batch_idx)
-        out = self.lightning.predict_step(batch, batch_idx)
-        self.fan_out("on_predict_batch_end", out, batch, batch_idx)
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
+        more = () if dataloader_idx is None else (dataloader_idx,)  # with several loaders, as Lightning passes it
+        self.fan_out("on_predict_batch_start", batch, batch_idx, *more)
+        out = self.lightning.predict_step(batch, batch_idx, *more)
+        self.fan_out("on_predict_batch_end", out, batch, batch_idx, *more)
         return out
 
     def on_evaluation_start(self, stage: str) -> None:
@@ -384,7 +385,7 @@ class LightningAdapter(TrainModule):
         return self._loader("predict_dataloader", required=True)
 
     def _loader(self, hook: str, required: bool) -> Any:
-        several_ok = hook in ("val_dataloader", "test_dataloader")  # evaluated one after another
+        several_ok = hook != "train_dataloader"  # evaluated (or predicted) one after another
         passed = getattr(self.given, hook.removesuffix("_dataloader"), None)
         if passed is not None:
             return _one_or_several(passed, f"{hook}s", several_ok)
@@ -462,7 +463,7 @@ def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:
         return loaders[0]
     if not several_ok:
         raise ConfigError(
-            f"{what} returned {len(loaders)} loaders; unifit trains on one loader (and predicts one at a time): "
+            f"{what} returned {len(loaders)} loaders; unifit trains on one loader: "
             "combine them into one dataset (torch.utils.data.ConcatDataset)"
         )
     return Several(loaders)
