@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
@@ -178,3 +179,19 @@ def metrics_lines(root: Path) -> list[dict]:
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def lightning_trainer(**options: Any) -> Any:
+    """Lightning's own Trainer, quiet, on one CPU process: the reference unifit's runs are compared with."""
+    import lightning as L
+
+    quiet = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(**{**quiet, **options})

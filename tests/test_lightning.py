@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, ManualOptimBoringModel
 
 import unifit
-from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, run_unifit
+from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, lightning_trainer, run_unifit
 from tests.probe.lightning_probe import Regressor
 from unifit import Trainer
 from unifit.errors import ConfigError
@@ -30,16 +30,7 @@ def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _lightning_trainer(max_epochs: int) -> L.Trainer:
     """Lightning's own Trainer, quiet, on one CPU process: the reference."""
-    return L.Trainer(
-        max_epochs=max_epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    return lightning_trainer(max_epochs=max_epochs)
 
 
 def _unifit(root, max_epochs: int, module=None, **kwargs) -> tuple[Regressor, dict]:

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import unifit
+from tests.helpers import lightning_trainer
 from tests.probe.lightning_probe import Regressor
 from tests.zoo.hook_recording import HookedCallback, HookedData, HookedModel, TrainerHookedCallback
 from unifit.config.schema import TrainerConfig
@@ -30,16 +31,7 @@ LIMITS = {"max_epochs": 2, "limit_train_batches": 4, "limit_val_batches": 2, "ac
 
 
 def _lightning(**kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**options, **kwargs})
+    return lightning_trainer(**kwargs)
 
 
 def _hooked_run(kind: str, stage: str, root) -> list[str]:

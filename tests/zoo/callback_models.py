@@ -21,9 +21,8 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
-from tests.zoo.own_step_models import FEATURES, ClassData
+from tests.zoo.own_step_models import ClassData, Classifier
 
 
 class GradNormLogger(L.Callback):
@@ -64,22 +63,8 @@ class StopAtGlobalStep(L.Callback):
             trainer.should_stop = True
 
 
-class CallbackClassifier(L.LightningModule):
-    def __init__(self, lr: float = 0.05) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
-        self.grad_norms: list[float] = []  # what GradNormLogger saw, step by step (the zoo compares them)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
-        self.log("train_ce", loss)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_acc", (self.net(x).argmax(dim=1) == y).float().mean())
+class CallbackClassifier(Classifier):
+    """The classifier with its callbacks; grad_norms holds what GradNormLogger saw."""
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

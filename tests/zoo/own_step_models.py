@@ -125,15 +125,14 @@ class ClassData(L.LightningDataModule):
         return DataLoader(self.data, batch_size=self.batch_size)
 
 
-class HookedClassifier(L.LightningModule):
-    WARMUP = 4  # optimizer steps of the hand-written warmup
+class Classifier(L.LightningModule):
+    """A small classifier on ClassData, as the docs write one."""
 
     def __init__(self, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
-        self.calls: list[str] = []  # the step hooks, in the order they ran
-        self.grad_norms: list[float] = []  # seen in on_before_optimizer_step
+        self.grad_norms: list[float] = []  # the gradients' norm before each optimizer step (the zoo compares them)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -144,6 +143,14 @@ class HookedClassifier(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_acc", (self.net(x).argmax(dim=1) == y).float().mean())
+
+
+class HookedClassifier(Classifier):
+    WARMUP = 4  # optimizer steps of the hand-written warmup
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.calls: list[str] = []  # the step hooks, in the order they ran
 
     def on_before_zero_grad(self, optimizer: Any) -> None:
         self.calls.append("on_before_zero_grad")
