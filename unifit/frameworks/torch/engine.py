@@ -355,7 +355,11 @@ class TorchEngine(TorchEvaluation, Engine):
             return
         self._scheduled_epoch = self._epochs_done
         for schedule in self.stepped:
-            if schedule.interval == "epoch" and not schedule.monitor and (self._epochs_done + 1) % schedule.frequency == 0:
+            if (
+                schedule.interval == "epoch"
+                and not schedule.monitor
+                and (self._epochs_done + 1) % schedule.frequency == 0
+            ):
                 self.module.lr_scheduler_step(schedule.scheduler, None)
 
     def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
