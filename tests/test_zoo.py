@@ -3,7 +3,8 @@ batch sampler, ManualOptimBoringModel), Hugging Face GPT-2 and BERT, a ResNet-18
 authors wrote them (LightningModules, their own DataLoaders), and modules that take part in their own step
 (a GAN in manual optimization with two optimizers, a classifier with every hook inside the optimizer step:
 tests/zoo/own_step_models.py), Lightning's GLUE tutorial module, which logs its metrics in on_validation_epoch_end
-(tests/zoo/logging_models.py), and a classifier that brings its own Lightning callbacks (tests/zoo/callback_models.py),
+(tests/zoo/logging_models.py), a class-imbalanced data module rebalanced by its own WeightedRandomSampler, and a
+classifier that brings its own Lightning callbacks (tests/zoo/callback_models.py),
 trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
 
 What must hold, model by model:
@@ -42,7 +43,9 @@ MODELS = (
     "hooks",
     "glue",
     "callbacks",
+    "imbalanced",
 )
+SAMPLED = {"imbalanced"}  # a WeightedRandomSampler of the user's: drawn unlike Lightning, and per world size
 MANUAL = {"manual-boring", "gan"}  # trained without accumulation everywhere (refused with manual optimization)
 BATCH_NORM = {"resnet"}  # running statistics follow each rank's batches: compared only between world-2 runs
 # losses of the first steps single vs ddp (roundoff grows with the steps: the demo Transformer's SGD at lr 0.1
@@ -134,6 +137,8 @@ def test_single_equals_lightnings_own_trainer(tmp_path_factory):
     for model in MODELS:
         for precision in ("32-true", "bf16-mixed"):
             assert "error" not in z.record(model, precision, "lightning"), z.record(model, precision, "lightning")
+            if model in SAMPLED:
+                continue
             diff = _max_diff(z.weights(model, precision), z.weights(model, precision, "lightning"))
             assert diff == 0.0, f"{model} {precision}: unifit's weights differ from Lightning's by {diff}"
     # the hooks inside the optimizer step, accumulating 2: called in Lightning's order, as often
@@ -214,8 +219,8 @@ def test_logging_in_epoch_hooks_and_reductions_equal_lightning_then_hold_over_ra
 def test_ddp_takes_the_steps_of_one_process_accumulating(tmp_path_factory):
     single, ddp = zoo("single", tmp_path_factory), zoo("ddp", tmp_path_factory)
     for model in MODELS:
-        # per-batch statistics / a hidden state carried per rank / single trained without accumulating
-        if model in BATCH_NORM or model == "lstm" or model in MANUAL:
+        # per-batch statistics / a hidden state carried per rank / single trained without accumulating / drawn per world
+        if model in BATCH_NORM or model == "lstm" or model in MANUAL or model in SAMPLED:
             continue
         one = _step_losses(single.record(model, "32-true"), 2)
         two = [
@@ -272,3 +277,16 @@ def test_fsdp_refuses_an_in_place_op_on_a_units_view_output(tmp_path_factory):
         assert "ConfigError" in error and "was modified in place before backward" in error, error
         assert "out = out + y, not out += y" in error and "\n" not in error
         assert "error" not in z.record("view-copy", "32-true", rank=rank)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", list(LAUNCHES))
+def test_a_users_weighted_sampler_rebalances_the_classes_on_every_strategy(strategy, tmp_path_factory):
+    """One sample in 8 is of class 1; the data module's WeightedRandomSampler draws them as often as the other class,
+    under Lightning's own Trainer and under unifit on 1 or 2 ranks (each rank a disjoint share of the draws)."""
+    z = zoo(strategy, tmp_path_factory)
+    kinds = ("unifit", "lightning") if strategy == "single" else ("unifit",)
+    for kind in kinds:
+        seen = [sum(z.record("imbalanced", "32-true", kind, rank)["classes_seen"][c] for rank in range(len(z.ranks)))
+                for c in (0, 1)]  # fmt: skip
+        assert sum(seen) == 192 and 0.35 < seen[1] / sum(seen) < 0.65, (strategy, kind, seen)  # unweighted: 0.125

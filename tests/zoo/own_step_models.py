@@ -4,6 +4,8 @@
 - `GAN`: manual optimization with two optimizers stepped in turn (`self.optimizers()`, `toggle_optimizer`,
   `manual_backward`, `opt.step()`), the discriminator's gradients accumulated by hand over two batches and
   clipped with `self.clip_gradients`, the generator's StepLR stepped by hand at the epoch's end;
+- `BalancedClassifier` on `ImbalancedData`: a class-imbalanced data module whose DataLoader rebalances with a
+  `WeightedRandomSampler`;
 - `HookedClassifier`: automatic optimization with the hooks inside the step: `on_before_backward`,
   `on_after_backward`, `on_before_optimizer_step` (logging the gradient norm), `on_before_zero_grad`,
   `configure_gradient_clipping` (clipping by value), an `optimizer_step` override that warms the lr up by
@@ -190,8 +192,50 @@ class HookedClassifier(Classifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": CosineEpochs(optimizer, 4), "interval": "epoch"}}
 
 
+class ImbalancedData(L.LightningDataModule):
+    """A class-imbalanced data set (1 sample in 8 of class 1) that its DataLoader rebalances with a
+    WeightedRandomSampler, each sample weighted by the inverse of its class's frequency, as the docs teach."""
+
+    def __init__(self, batch_size: int, n: int = 96) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(n, FEATURES, generator=g)
+        y = (torch.arange(n) % 8 == 0).long()
+        x[y == 1] += 1.0
+        self.data, self.batch_size = TensorDataset(x, y), batch_size
+        counts = torch.bincount(y)
+        self.weights = (1.0 / counts.double())[y]
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = torch.utils.data.WeightedRandomSampler(self.weights, num_samples=len(self.weights), replacement=True)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+
+class BalancedClassifier(Classifier):
+    """Counts the classes of the samples it trains on (the sampler's rebalancing, seen from the step)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.classes_seen = [0, 0]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        counts = torch.bincount(batch[1], minlength=2)
+        self.classes_seen = [a + int(b) for a, b in zip(self.classes_seen, counts)]
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
 MODELS = {
     "gan": (lambda b: (GAN(), GANData(b)), False),
     "hooks": (lambda b: (HookedClassifier(), ClassData(b)), False),
+    "imbalanced": (lambda b: (BalancedClassifier(), ImbalancedData(b)), False),
 }
+# drawn by a sampler of the user's: under unifit from a random state every rank shares (seeded by trainer.seed and
+# the epoch), under Lightning from the global generator, so the batches differ from Lightning's and between world sizes
+SAMPLED = {"imbalanced"}
 MANUAL = {"gan"}  # manual optimization: Lightning and unifit refuse accumulate_grad_batches with it

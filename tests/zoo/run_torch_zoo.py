@@ -95,6 +95,7 @@ def unifit_run(
         "crashed": crashed,
         "calls": getattr(module, "calls", None),  # the step hooks a module recorded (own_step_models.py)
         "grad_norms": getattr(module, "grad_norms", None),  # seen in on_before_optimizer_step (module or callback)
+        "classes_seen": getattr(module, "classes_seen", None),  # what a user's sampler drew (own_step_models.py)
     }
 
 
@@ -125,6 +126,7 @@ def lightning_run(name: str, precision: str, args: argparse.Namespace, models: d
         "crashed": None,
         "calls": getattr(module, "calls", None),
         "grad_norms": getattr(module, "grad_norms", None),
+        "classes_seen": getattr(module, "classes_seen", None),
     }
 
 

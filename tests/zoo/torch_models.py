@@ -302,4 +302,5 @@ MODELS: dict[str, tuple[Callable[[int], tuple[Any, Any]], bool]] = {
     **callback_models.MODELS,
 }
 MANUAL = {"manual-boring", *own_step_models.MANUAL}  # accumulate_grad_batches is refused with manual optimization
+SAMPLED = own_step_models.SAMPLED  # a user's sampler draws: not step-comparable with Lightning or across world sizes
 GPU_MODELS = {**MODELS, "torchvision-resnet": (lambda b: (ImageClassifier("torchvision-resnet18"), Images(b)), True)}
