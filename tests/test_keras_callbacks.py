@@ -137,6 +137,18 @@ def test_model_fits_arguments_class_weight_validation_freq_and_initial_epoch(tmp
     assert not np.allclose(unweighted.get_weights()[0], ours.get_weights()[0])  # the class weights trained
 
 
+class _Interrupt(keras.callbacks.Callback):
+    """Stops the process the way a preempted job ends: an exception at the start of epoch `at`."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.at:
+            raise RuntimeError(f"interrupted at epoch {epoch}")
+
+
 @pytest.mark.timeout(240)
 def test_backup_and_restore_and_tensorboard_map_onto_unifits_own(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -144,22 +156,20 @@ def test_backup_and_restore_and_tensorboard_map_onto_unifits_own(tmp_path):
     train, val = _data()
     backup, logs = tmp_path / "backup", tmp_path / "tb"
 
-    def run(epochs: int) -> tuple:
+    def run(*more) -> unifit.TrainState:
         reduce = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0, min_delta=1.0)
         callbacks = [keras.callbacks.BackupAndRestore(str(backup)), keras.callbacks.TensorBoard(str(logs)), reduce]
-        options = {**QUIET, "tensorboard": {}}
-        options.pop("tensorboard")
-        trainer = unifit.Trainer(max_epochs=epochs, root_dir=str(tmp_path / "run"), callbacks=callbacks, **options)
+        options = {key: value for key, value in QUIET.items() if key != "tensorboard"}
+        trainer = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "run"), callbacks=[*callbacks, *more], **options)
         return trainer.fit(_model(), data={"train": train, "val": val})
 
-    first = run(2)
-    assert first.epoch == 2 and (backup / "last.json").exists()
-    second = run(3)  # resumed from the backup: one more epoch, the reduced rate kept
-    assert second.epoch == 3 and second.global_step == 24
-    # reduced once at the first run's second epoch (its first sets the best); the resumed run's ReduceLROnPlateau
-    # starts afresh (as after model.fit's restore), and the rate it resumes at is the reduced one
-    assert first.metrics["lr"] == pytest.approx(0.1)  # the epoch's rate; the reduction comes after it
-    assert second.metrics["lr"] == pytest.approx(0.05)
+    with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
+        run(_Interrupt(2))
+    assert (backup / "last.json").exists()  # the backup of the interrupted run
+    resumed = run()  # continues from it: one more epoch, at the rate reduced before the interruption
+    assert resumed.epoch == 3 and resumed.global_step == 24
+    assert resumed.metrics["lr"] == pytest.approx(0.05)  # reduced once (after the first run's second epoch)
+    assert not backup.exists()  # training ended well: the backup is gone, as Keras deletes it
     events = EventAccumulator(str(logs)).Reload()
     assert "val/loss" in events.Tags()["scalars"]
 

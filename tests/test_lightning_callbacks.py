@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
+    BasePredictionWriter,
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateMonitor,
@@ -228,6 +229,10 @@ def test_callback_state_is_checkpointed_and_the_logger_is_tensorboards(tmp_path)
     assert [e.value for e in events.Scalars("batches_seen")][-1] == 24
 
 
+class _Writer(BasePredictionWriter):
+    def write_on_batch_end(self, *args, **kwargs) -> None: ...
+
+
 class _EarlyStoppingWithHook(EarlyStopping):
     def on_validation_end(self, trainer, pl_module) -> None:
         print("custom")
@@ -254,7 +259,12 @@ def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
         "StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), OnExceptionCheckpoint(str(tmp_path))]
     )
     assert "OnExceptionCheckpoint" in both and "keeps a second, averaged model" in both
-    _refused("which the config sets too", callbacks=[ModelCheckpoint(monitor="x")], checkpoint={"keep_last_n": 2})
+    _refused(
+        "sets trainer.checkpoint.keep_last_n, which the config sets to another value",
+        callbacks=[ModelCheckpoint(monitor="x")],
+        checkpoint={"keep_last_n": 2},
+    )
+    _refused("writes each rank's predictions by batch indices", callbacks=[_Writer("batch")])
     _refused(
         "sets trainer.checkpoint like another callback",
         callbacks=[ModelCheckpoint(), ModelCheckpoint(every_n_train_steps=5)],
@@ -348,3 +358,38 @@ def test_a_modules_own_backward_gets_the_scaled_loss_under_16_mixed(tmp_path):
     trainer.fit(model, train_dataloaders=loader)
     assert len(model.losses_seen) == 4 and model.losses_seen[0] > 1000  # scaled by 2**16 at first
     assert torch.isfinite(model.layer.weight).all()
+
+
+@pytest.mark.timeout(120)
+def test_a_saved_config_with_mapped_callbacks_runs_again(tmp_path, cli):
+    """The config a run saves holds the options Lightning's ModelCheckpoint / EarlyStopping mapped onto and those
+    callbacks' class paths: running it again is the same run, not a conflict; patience 0 is Lightning's too."""
+    experiment = tmp_path / "exp.yaml"
+    experiment.write_text(
+        "module: {class_path: tests.probe.lightning_probe.Regressor}\n"
+        f"trainer:\n  max_epochs: 2\n  batch_size: 8\n  root_dir: {tmp_path / 'run'}\n  progress_bar: false\n"
+        "  callbacks:\n"
+        "  - {class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {monitor: val_mse, save_top_k: 2}}\n"
+        "  - {class_path: lightning.pytorch.callbacks.EarlyStopping, init_args: {monitor: val_mse, patience: 0}}\n"
+    )
+    first = cli("fit", "-c", str(experiment))
+    assert first.returncode == 0, first.stderr
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "keep_best_k: 2" in saved and "lightning.pytorch.callbacks.ModelCheckpoint" in saved
+    again = cli("fit", "-c", str(tmp_path / "run" / "config.yaml"), "--trainer.root_dir", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
+    import json
+
+    from tests.helpers import assert_ok, run_unifit
+
+    result = run_unifit(
+        "launch", "--nproc-per-node", "2", "--strategy", "ddp", "--", "tests/probe/rank_stop.py", str(tmp_path),
+        timeout=200,
+    )  # fmt: skip
+    assert_ok(result)
+    ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ends[0] == ends[1] == {"step": 8, "epoch": 1}, ends  # asked at step 5, agreed at step 8 (every 4 steps)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from unifit.callbacks import keras_mapping, lightning_mapping
+from unifit.config.loading import with_updates
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
 
@@ -26,6 +27,7 @@ class CallbackPlan:
     running: list[Any] = field(default_factory=list)  # Lightning callbacks run as they are (a LightningModule's run)
     lightning: list[Any] = field(default_factory=list)  # every Lightning callback (what trainer.callbacks shows)
     keras: list[Any] = field(default_factory=list)  # Keras callbacks run as they are (a Keras module's run)
+    unifit: list[Any] = field(default_factory=list)  # unifit callbacks a mapped one brings (unifit.Callback)
     reports: dict[str, Callable[..., None]] = field(default_factory=dict)  # "checkpoint"/"early_stopping" -> mirror
 
 
@@ -55,7 +57,7 @@ def plan_callbacks(config: TrainerConfig, trainer_callbacks: list[Any], module_c
     if problems:
         raise ConfigError("trainer.callbacks: " + "; ".join(problems))
     if updates:
-        plan.config = _updated(config, updates)
+        plan.config = with_updates(config, updates)
     return plan
 
 
@@ -81,19 +83,25 @@ def _keras(callback: Any, plan: CallbackPlan) -> dict[str, Any] | None:
 
 
 def _claim(updates: dict[str, Any], config: TrainerConfig, key: str, value: Any) -> None:
-    """One callback sets `key`; a second one, or the same option set in the config, is a conflict."""
+    """One callback sets `key` (an option, or a section's options); a second callback setting it, or the config
+    setting one of them to another value, is a conflict (the same value twice is not: a saved config runs again)."""
     if key in updates:
         raise ConfigError(
             f"sets trainer.{key} like another callback before it; unifit keeps one {key} policy: merge them into one"
         )
     if key in config.model_fields_set:
-        if getattr(config, key) == value:  # the same setting twice (progress_bar: false, say)
-            return
-        raise ConfigError(f"sets trainer.{key}, which the config sets too: keep one of the two")
+        current = getattr(config, key)
+        given = current.model_dump(exclude_unset=True) if hasattr(current, "model_dump") else current
+        clashes = (
+            [name for name, v in value.items() if name in given and given[name] != v]
+            if isinstance(value, dict) and isinstance(given, dict)
+            else ([] if given == value else [key])
+        )
+        if clashes:
+            names = ", ".join(
+                f"trainer.{key}.{name}" if isinstance(value, dict) else f"trainer.{name}" for name in clashes
+            )
+            raise ConfigError(f"sets {names}, which the config sets to another value: keep one of the two")
+        if isinstance(value, dict) and isinstance(given, dict):
+            value = {**given, **value}
     updates[key] = value
-
-
-def _updated(config: TrainerConfig, updates: dict[str, Any]) -> TrainerConfig:
-    mapped = TrainerConfig.model_validate({**config.model_dump(exclude_unset=True), **updates})
-    mapped._batch_size_from = config.batch_size_from
-    return mapped

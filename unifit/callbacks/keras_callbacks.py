@@ -10,14 +10,17 @@
 `logs` use Keras' names: `loss`, `<metric>`, `val_loss`, `val_<metric>`, `learning_rate`. Every rank runs them
 with the same averaged logs, as every worker does under model.fit, so they decide alike; those that write files
 (ModelCheckpoint, CSVLogger) run on rank 0 only. `self.model` is the model being trained; setting its
-`stop_training` stops every rank, and `model.optimizer.learning_rate = x` sets the rate of the following steps
-(frameworks/keras/lr.py). Batch hooks cost a host sync per step and are called only when a callback has them.
+`stop_training` stops every rank (the ranks agree after the hooks of that batch or epoch), and
+`model.optimizer.learning_rate = x` sets the rate of the following steps (frameworks/keras/lr.py). Batch hooks cost
+a host sync (and, with several ranks, a tiny all-reduce) per step: KerasBatchCallbacks, made only when a callback
+has them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from unifit.callbacks.agreement import agree_on_asked_stop
 from unifit.callbacks.keras_mapping import RANK_ZERO, keras_kind
 from unifit.loop.callback import Callback
 
@@ -31,9 +34,14 @@ class KerasCallbacks(Callback):
 
     def __init__(self, callbacks: list[Any]) -> None:
         self.callbacks = list(callbacks)
-        self.batch_hooks = any(_overrides(cb, hook) for cb in self.callbacks for hook in _BATCH_HOOKS)
         self.listing: Any = None
         self._logs: dict[str, float] = {}
+
+    @staticmethod
+    def made_for(callbacks: list[Any]) -> KerasCallbacks:
+        """The runner for `callbacks`: with batch hooks only when one of them has one (every rank decides alike)."""
+        batch = any(_overrides(cb, hook) for cb in callbacks for hook in _BATCH_HOOKS)
+        return (KerasBatchCallbacks if batch else KerasCallbacks)(callbacks)
 
     def on_setup(self, ctx: Any) -> None:
         import keras
@@ -55,14 +63,6 @@ class KerasCallbacks(Callback):
     def on_train_epoch_start(self, ctx: Any) -> None:
         self.listing.on_epoch_begin(ctx.progress.epoch)
 
-    def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
-        if self.batch_hooks:
-            self.listing.on_train_batch_begin(batch_idx)
-
-    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        if self.batch_hooks:
-            self.listing.on_train_batch_end(batch_idx, {"loss": float(loss)})
-
     def on_validation_start(self, ctx: Any) -> None:
         self.listing.on_test_begin()
 
@@ -72,9 +72,22 @@ class KerasCallbacks(Callback):
     def on_epoch_end(self, ctx: Any) -> None:
         self._logs = keras_logs(ctx.state.metrics)
         self.listing.on_epoch_end(ctx.state.epoch - 1, self._logs)
+        agree_on_asked_stop(ctx)
 
     def on_fit_end(self, ctx: Any) -> None:
         self.listing.on_train_end(self._logs)
+
+
+class KerasBatchCallbacks(KerasCallbacks):
+    """With the batch hooks: `logs` hold this worker's loss of the step (model.fit gives the epoch's running mean);
+    a stop one of them asks for is agreed on right after, every batch."""
+
+    def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
+        self.listing.on_train_batch_begin(batch_idx)
+
+    def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
+        self.listing.on_train_batch_end(batch_idx, {"loss": float(loss)})
+        agree_on_asked_stop(ctx)
 
 
 def keras_logs(metrics: dict[str, float], only_validation: bool = False) -> dict[str, float]:
@@ -108,8 +121,8 @@ class KerasModelView:
 
     @stop_training.setter
     def stop_training(self, value: bool) -> None:
-        if value:
-            self._ctx.state.request_stop("a Keras callback set model.stop_training")
+        if value:  # with several ranks, at their next agreement (KerasCallbacks: after the hooks of that point)
+            self._ctx.state.ask_to_stop("a Keras callback set model.stop_training", self._ctx.world_size)
 
     @property
     def optimizer(self) -> _OptimizerView:

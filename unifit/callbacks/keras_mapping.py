@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from unifit.errors import ConfigError
+from unifit.loop.callback import Callback
+from unifit.storage import filesystem
 
 # the Keras callbacks that write files: rank 0 runs them, as the chief writes under model.fit
 RANK_ZERO = ("ModelCheckpoint", "CSVLogger", "RemoteMonitor")
@@ -51,7 +53,25 @@ def _backup_and_restore(cb: Any, plan: Any) -> dict[str, Any]:
     checkpoint: dict[str, Any] = {"enabled": True, "dir": str(cb.backup_dir), "keep_last_n": 1}
     if isinstance(cb.save_freq, int):
         checkpoint["every_n_steps"] = cb.save_freq
+    if cb.delete_checkpoint:
+        plan.unifit.append(DeleteBackup(str(cb.backup_dir)))
     return {"checkpoint": checkpoint, "resume": "auto"}
+
+
+class DeleteBackup(Callback):
+    """BackupAndRestore(delete_checkpoint=True): once training ended well, the backup goes, so that the script run
+    again trains afresh instead of resuming a finished run (as Keras does)."""
+
+    rank_zero_only = True
+    runs_last = True  # after the last checkpoint was committed
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_fit_end(self, ctx: Any) -> None:
+        fs, root = filesystem(self.folder, ctx.config.storage_options)
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
 
 
 def _progress(cb: Any, plan: Any) -> dict[str, Any]:

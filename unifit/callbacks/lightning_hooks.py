@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from unifit.callbacks.agreement import agree_on_asked_stop
 from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
 
@@ -26,6 +27,7 @@ class LightningEpochEnds(Callback):
 
     def on_epoch_end(self, ctx: Any) -> None:
         self._epoch_end(ctx, "on_train_epoch_end")
+        agree_on_asked_stop(ctx)  # trainer.should_stop set on some ranks during the epoch: stop all, here
 
     def _epoch_end(self, ctx: Any, hook: str) -> None:
         """Every rank calls the hook, so every rank reduces (a collective, only for a module that has the hook)."""
@@ -42,6 +44,7 @@ class LightningHooks(Callback):
         self.adapter = adapter
         self.lm = adapter.lightning
         self._batch: Any = None
+        self._agreed_step = -1  # the optimizer step the ranks last agreed on trainer.should_stop at
 
     @property
     def state_key(self) -> str:
@@ -70,9 +73,14 @@ class LightningHooks(Callback):
             )
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        batch = self._batch
-        outputs = self.adapter.batch_outputs()
-        self.adapter.call_batch_hook("on_train_batch_end", outputs, batch, batch_idx, batch=batch)
+        if self.adapter.overrides("on_train_batch_end") or self.adapter.listens("on_train_batch_end"):
+            batch = self._batch
+            outputs = self.adapter.batch_outputs()
+            self.adapter.call_batch_hook("on_train_batch_end", outputs, batch, batch_idx, batch=batch)
+        step = ctx.progress.optimizer_step  # trainer.should_stop set on some ranks: all stop at an agreed step
+        if step != self._agreed_step and step % ctx.config.preemption.check_every_n_steps == 0:
+            self._agreed_step = step
+            agree_on_asked_stop(ctx)
 
     def on_validation_start(self, ctx: Any) -> None:
         self.adapter.view.training = False

@@ -2,14 +2,14 @@
 
 Each is taken one of three ways (callbacks/foreign.py decides at set-up, all problems reported at once):
 - run as it is, its hooks called where Lightning's Trainer calls them (a user's own `lightning.Callback`,
-  `LambdaCallback`, `BasePredictionWriter`, `ModelSummary`...): with a LightningModule;
+  `LambdaCallback`, `ModelSummary`...): with a LightningModule;
 - mapped onto what unifit does itself, with the same behaviour (docs/lightning.md#callbacks):
   `ModelCheckpoint` -> trainer.checkpoint, `EarlyStopping` -> trainer.early_stopping, `Timer` ->
   trainer.max_time, `GradientAccumulationScheduler({0: k})` -> accumulate_grad_batches, the progress
   bars -> trainer.progress_bar, `LearningRateMonitor` / `ThroughputMonitor` -> the lr and throughput unifit
   logs. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
   `best_model_score`, `stopped_epoch`...), as Lightning's would be;
-- refused in one line that says why and what to do (`_REFUSED`).
+- refused in one line that says why and what to do (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ REFUSED = {
     "LambdaLR that raises them instead",
     "DeviceStatsMonitor": "reads device statistics through Lightning's accelerator and loggers; log "
     "torch.cuda.memory_allocated() from a callback instead",
+    "BasePredictionWriter": "writes each rank's predictions by batch indices from Lightning's predict loop; unifit "
+    "gathers every rank's predictions on rank 0 in dataset order: Trainer.predict returns them, and "
+    "`unifit predict --output FILE` writes them",
 }
 _PROGRESS_BARS = ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
 _LOGGED_ALREADY = {

@@ -124,6 +124,9 @@ def _trainer(lightning: dict[str, Any], problems: list[str]) -> tuple[dict[str, 
     """unifit's trainer section from Lightning's Trainer arguments (unifit's own keys pass as they are)."""
     out: dict[str, Any] = {"lr_scaling": "none"}
     devices, num_nodes = lightning.pop("devices", "auto"), lightning.pop("num_nodes", 1) or 1
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        problems.append(f"trainer.num_nodes: received {num_nodes!r}; give the number of nodes (1 or more)")
+        num_nodes = 1
     for key, value in lightning.items():
         try:
             if key in _MAPPERS:
@@ -191,15 +194,19 @@ def _section(section: str, name: str, convert: Callable[[Any], Any] = lambda v: 
 
 
 def _strategy(value: Any) -> str | None:
+    """Lightning's names and classes mapped; any other name is taken as unifit's own (single, smddp-like,
+    horovod...), which the strategy registry checks with the other options."""
     name = value.get("class_path", "").rsplit(".", 1)[-1] if isinstance(value, dict) else str(value)
     if isinstance(value, dict) and value.get("init_args"):
         raise ConfigError(f"{name} with init_args {value['init_args']}: give the strategy by name (ddp, fsdp)")
-    if name not in _STRATEGIES:
+    if name in _STRATEGIES:
+        return _STRATEGIES[name] or "auto"
+    if name.lower().startswith(("deepspeed", "xla", "fsdp_cpu_offload", "ddp_sharded")) or name.endswith("Strategy"):
         raise ConfigError(
-            f"received {name!r}; unifit runs auto, ddp (and its spawn/fork forms), fsdp and single_device from Lightning's "
-            "names, and its own strategies by name (single, ddp, fsdp, smddp-like, horovod)"
+            f"received {name!r}, which unifit does not run; use auto, ddp (and its spawn/fork forms), fsdp or "
+            "single_device (DeepSpeed's sharding: fsdp), or unifit's own names (smddp-like, horovod)"
         )
-    return _STRATEGIES[name] or "auto"
+    return name
 
 
 def _precision(value: Any) -> str | None:
@@ -247,6 +254,9 @@ def _clip(value: Any) -> float | None:
 def _max_time(value: Any) -> Any:
     if isinstance(value, dict):
         seconds = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+        unknown = sorted(set(value) - set(seconds))
+        if unknown or not all(isinstance(v, (int, float)) for v in value.values()):
+            raise ConfigError(f"received {value!r}; give numbers of {', '.join(seconds)}, or 'DD:HH:MM:SS'")
         return float(sum(seconds[k] * v for k, v in value.items()))
     return value
 

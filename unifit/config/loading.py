@@ -117,6 +117,14 @@ def validate_trainer(kwargs: dict[str, Any]) -> TrainerConfig:
     return config
 
 
+def with_updates(config: TrainerConfig, updates: dict[str, Any]) -> TrainerConfig:
+    """`config` with `updates` (options set by mapped callbacks or model.fit's arguments), validated again (a
+    ConfigError naming the field), the batch size it adopted from the user's data kept."""
+    updated = validate_trainer({**config.model_dump(exclude_unset=True), **updates})
+    updated._batch_size_from = config.batch_size_from
+    return updated
+
+
 def check_classes(experiment: ExperimentConfig) -> None:
     """Import every class the experiment names and check its init_args against its __init__, so a
     mistake fails here, in one line, before any process starts (the schema alone cannot see them)."""

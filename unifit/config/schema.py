@@ -94,7 +94,9 @@ class EarlyStoppingConfig(_Strict):
 
     monitor: str = Field(description="Metric to watch, e.g. val/loss.")
     mode: Literal["min", "max"] = Field("min", description="Whether lower or higher is better.")
-    patience: PositiveInt = Field(3, description="Epochs without improvement before stopping.")
+    patience: NonNegativeInt = Field(
+        3, description="Epochs without improvement before stopping (0: at the first that does not improve)."
+    )
     min_delta: NonNegativeFloat = Field(0.0, description="Smallest change that counts as an improvement.")
     strict: bool = Field(
         True, description="A monitor that was not logged is an error (false: that epoch is not checked)."

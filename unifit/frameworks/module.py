@@ -99,8 +99,16 @@ class ModuleBase:
         """Called before the engine sets up for 'fit', 'validate', 'test' or 'predict' (a wrapped
         LightningModule runs its own setup(stage) then)."""
 
+    def enter_evaluation(self, stage: str) -> None:
+        """Before Trainer.validate/test/predict's hooks: the model in evaluation mode where the framework has modes
+        (given back by exit_evaluation). Not a hook: unifit's own."""
+
+    def exit_evaluation(self, stage: str) -> None:
+        """After Trainer.validate/test/predict's hooks: the modes from before enter_evaluation."""
+
     def on_evaluation_start(self, stage: str) -> None:
-        """Before the first batch of Trainer.validate/test/predict (`stage`); no callbacks run there."""
+        """Before the first batch of Trainer.validate/test/predict (`stage`): a hook (a LightningModule's adapter runs
+        the module's and its Lightning callbacks' hooks of that stage here); unifit.Callbacks do not run there."""
 
     def on_evaluation_end(self, stage: str) -> None:
         """After the last batch of Trainer.validate/test/predict, once metrics are reduced or predictions gathered."""
@@ -108,6 +116,9 @@ class ModuleBase:
     def configure_callbacks(self) -> list[Any]:
         """unifit Callbacks this module brings along (run after trainer.callbacks, as Lightning's are)."""
         return []
+
+    def attach_strategy(self, strategy: Any) -> None:
+        """The run's Strategy, once made (a LightningModule's trainer.strategy collectives use it)."""
 
     @property
     def own_callbacks(self) -> list[Any]:

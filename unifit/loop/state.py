@@ -35,6 +35,7 @@ class TrainState:
     metrics: dict[str, float] = field(default_factory=dict)  # last epoch's metrics, averaged over ranks
     should_stop: bool = False
     stop_reason: str | None = None
+    stop_asked: str | None = None  # a stop one rank's own code asked for, until the ranks agree on it
 
     @property
     def epoch(self) -> int:
@@ -62,5 +63,14 @@ class TrainState:
         return cls(progress=progress, metrics=dict(data.get("metrics", {})))
 
     def request_stop(self, reason: str) -> None:
+        """A stop every rank decides alike (from metrics averaged over the ranks, or agreed on)."""
         self.should_stop = True
         self.stop_reason = self.stop_reason or reason
+
+    def ask_to_stop(self, reason: str, world_size: int) -> None:
+        """A stop one rank's code asks for (trainer.should_stop, model.stop_training): at once on one process; with
+        several, once the ranks agree (callbacks/agreement.py), so that no rank leaves the loop alone."""
+        if world_size == 1:
+            self.request_stop(reason)
+        else:
+            self.stop_asked = self.stop_asked or reason

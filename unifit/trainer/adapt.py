@@ -109,7 +109,7 @@ class Prepared:
     module: ModuleBase
     data: Any
     plan: CallbackPlan  # plan.config: this run's config, with the mapped callbacks' settings
-    callbacks: list[Callback]  # unifit callbacks that run the Keras callbacks given
+    callbacks: list[Callback]  # unifit callbacks the run's Keras callbacks need (their runner, a mapped one's own)
 
 
 def prepare(config: Any, module: Any, data: Any = None, callbacks: list[Any] | None = None) -> Prepared:
@@ -124,7 +124,8 @@ def prepare(config: Any, module: Any, data: Any = None, callbacks: list[Any] | N
             f"modules and compiled Keras models, and {type(module).__name__} is a PyTorch module: write them as "
             "unifit.Callback subclasses, or use Lightning's callbacks with a LightningModule"
         )
-    return Prepared(module, data, plan, [KerasCallbacks(plan.keras)] if plan.keras else [])
+    runners = [KerasCallbacks.made_for(plan.keras)] if plan.keras else []
+    return Prepared(module, data, plan, [*runners, *plan.unifit])
 
 
 def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any, Any]:
@@ -144,6 +145,7 @@ def set_up(config: Any, module: Any, data: Any = None) -> tuple[ModuleBase, Any,
         collective_timeout_s=config.collective_timeout_s,
         options=config.strategy_options,
     )
+    module.attach_strategy(strategy)
     training = registry.training(config.strategy, module.framework, strategy)  # the (strategy, framework) table
     if isinstance(data, GivenData):
         data.fallback = module

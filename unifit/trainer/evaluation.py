@@ -66,6 +66,7 @@ def evaluate(
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
         engine.collector.reset()
+        module.enter_evaluation(stage)
         module.on_evaluation_start(stage)
         kept: dict[int, list[Any]] = {}  # loader -> its samples' outputs, in this rank's order
         for batch_idx, batch in enumerate(engine.eval_batches()):
@@ -80,6 +81,7 @@ def evaluate(
         module.on_evaluation_end(stage)
         if stage != "predict":  # what on_<stage>_epoch_end logged (a LightningModule's), reduced over the ranks
             result.metrics.update(engine.collector.reduce(strategy))
+        module.exit_evaluation(stage)  # the modes from before (a LightningModule: on_<stage>_model_train), teardown
         return result
     finally:
         engine.close()

@@ -18,7 +18,7 @@ from unifit.callbacks import default_callbacks, is_foreign_callback, plan_callba
 from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.checkpoint.store import CheckpointStore
 from unifit.config.init_args import build
-from unifit.config.loading import resolved_yaml, validate_trainer
+from unifit.config.loading import resolved_yaml, validate_trainer, with_updates
 from unifit.config.schema import ExperimentConfig, TrainerConfig
 from unifit.errors import ConfigError, UnifitError
 from unifit.loop.callback import Callback
@@ -47,7 +47,8 @@ class Trainer:
     """`Trainer(strategy="ddp", max_epochs=10, batch_size=32).fit(module)`.
 
     Keyword arguments are the fields of TrainerConfig (see docs/config.md); `callbacks` may
-    also hold Callback instances, and Lightning callbacks (docs/lightning.md#callbacks).
+    also hold Callback instances, Lightning callbacks (docs/lightning.md#callbacks) and Keras callbacks
+    (docs/keras.md#keras-callbacks-and-modelfits-arguments).
     """
 
     def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
@@ -61,19 +62,6 @@ class Trainer:
         if config is not None and kwargs:
             raise ConfigError("Trainer(config, **kwargs): pass either a TrainerConfig or keyword arguments, not both")
         self.config = _launched_strategy(config if config is not None else validate_trainer(kwargs))
-        built = [
-            build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(self.config.callbacks)
-        ]
-        for cb in built:
-            if not isinstance(cb, Callback) and not is_foreign_callback(cb):
-                raise ConfigError(
-                    f"trainer.callbacks: {type(cb).__name__} is not a subclass of unifit.Callback (nor a Lightning "
-                    "callback)"
-                )
-        every = built + objects
-        self.extra_callbacks: list[Callback] = [c for c in every if isinstance(c, Callback)]
-        self.foreign_callbacks: list[Any] = [c for c in every if not isinstance(c, Callback)]
-        plan_callbacks(self.config, self.foreign_callbacks, [])  # a refusal or conflict is known now
         registry.entry(self.config.strategy)  # a registered name, or a Strategy class path importable now
         cfg = self.config  # what the framework must know before its first operation (TensorFlow's devices)
         registry.claim_process(
@@ -83,6 +71,18 @@ class Trainer:
             collective_timeout_s=cfg.collective_timeout_s,
             options=cfg.strategy_options,
         )
+        # built once TensorFlow has been claimed: a callback's __init__ may touch TensorFlow (a Keras callback)
+        built = [build(c.class_path, c.init_args, f"trainer.callbacks.{i}") for i, c in enumerate(cfg.callbacks)]
+        for cb in built:
+            if not isinstance(cb, Callback) and not is_foreign_callback(cb):
+                raise ConfigError(
+                    f"trainer.callbacks: {type(cb).__name__} is not a callback: give a unifit.Callback subclass, a "
+                    "Lightning or a Keras callback"
+                )
+        every = built + objects
+        self.extra_callbacks: list[Callback] = [c for c in every if isinstance(c, Callback)]
+        self.foreign_callbacks: list[Any] = [c for c in every if not isinstance(c, Callback)]  # Lightning's, Keras'
+        plan_callbacks(cfg, self.foreign_callbacks, [])  # a refusal or conflict is known now
         self.experiment: ExperimentConfig | None = None  # set by the command line, saved with the run
         self.state = TrainState()
         self._run: _Run | None = None
@@ -346,12 +346,10 @@ def _with_fit_arguments(
     if not updates:
         return config
     try:
-        updated = validate_trainer({**config.model_dump(exclude_unset=True), **updates})
+        return with_updates(config, updates)
     except ConfigError as exc:
         arguments = ", ".join(f"{names.get(k, k)}={v!r}" for k, v in updates.items())
         raise ConfigError(f"fit({arguments}): {exc}") from None
-    updated._batch_size_from = config.batch_size_from
-    return updated
 
 
 def _check_storage(cfg: TrainerConfig) -> None:

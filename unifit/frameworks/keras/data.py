@@ -84,14 +84,23 @@ def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
 def with_class_weight(data: Any, class_weight: dict[int, float], what: str) -> Any:
     """model.fit's class_weight as per-sample weights of the training data (arrays or a pipeline): each sample
     weighs its class's weight (1 for a class not named); the class is the label, or the argmax of a one-hot y."""
+    if any(label < 0 for label in class_weight):
+        raise ConfigError(
+            f"trainer.class_weight: received classes {sorted(class_weight)}; classes are labels 0, 1, ..."
+        )
     table = np.ones(max(class_weight) + 1, np.float32)
     for label, weight in class_weight.items():
         table[label] = weight
     if isinstance(data, tf.data.Dataset):
         if len(data.element_spec) == 3:
             raise ConfigError(f"trainer.class_weight: {what} has sample weights too; give one of the two, as model.fit")
-        lookup = tf.constant(table)
-        return data.map(lambda x, y: (x, y, tf.gather(lookup, _element_label(y))))
+        lookup, known = tf.constant(table), len(table)
+
+        def weighted(x: Any, y: Any) -> Any:
+            label = _element_label(y)  # a class not named weighs 1
+            return x, y, tf.where(label < known, tf.gather(lookup, tf.minimum(label, known - 1)), 1.0)
+
+        return data.map(weighted)
     columns = arrays(data, what)
     if len(columns) == 3:
         raise ConfigError(f"trainer.class_weight: {what} has sample weights too; give one of the two, as model.fit")

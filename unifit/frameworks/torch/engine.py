@@ -87,6 +87,12 @@ class TorchEngine(TorchEvaluation, Engine):
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage("fit")
         self.module.to(self.device)
+        if not self.module.state_module.training:  # as Lightning, unifit keeps the module's own modes
+            log.warning(
+                "%s is in eval mode at the start of training (dropout off, BatchNorm statistics frozen); "
+                "call .train() on it first if that is not meant",
+                type(self.module.state_module).__name__,
+            )
         self._transfer = self.module.batch_transfer(self.device)
         self._epochs_done = 0
         self._scheduled_epoch = -1  # the last epoch whose epoch-interval schedule has stepped

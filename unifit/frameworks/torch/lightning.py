@@ -94,6 +94,9 @@ class LightningAdapter(TrainModule):
         own = lightning_module.configure_callbacks()  # first, as Lightning's Trainer calls it
         self._own_callbacks: list[Any] = list(own) if isinstance(own, (list, tuple)) else [own] if own else []
 
+    def attach_strategy(self, strategy: Any) -> None:
+        self.view.dist = strategy
+
     # ---- the run's Lightning callbacks ------------------------------------------------------------
     @property
     def own_callbacks(self) -> list[Any]:
@@ -322,8 +325,6 @@ class LightningAdapter(TrainModule):
         """Lightning's order: on_<stage>_start, on_<stage>_epoch_start (validate: 'validation')."""
         self.view.training, self.view.stage = False, stage
         name = _HOOK_STAGE[stage]
-        self._modes_before = training_modes(self)
-        getattr(self.lightning, f"on_{name}_model_eval")()
         log = stage != "predict"  # Lightning allows self.log in the validation and test hooks only
         self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_start")
         self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_epoch_start")
@@ -333,8 +334,18 @@ class LightningAdapter(TrainModule):
         log = stage != "predict"
         self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_epoch_end")  # reduced after (evaluation.py)
         self.fan_out(f"on_{name}_end")
-        if stage != "predict" and _overrides(self.lightning, f"on_{name}_model_train"):
-            getattr(self.lightning, f"on_{name}_model_train")()
+
+    def enter_evaluation(self, stage: str) -> None:
+        """Lightning's on_<stage>_model_eval (by default trainer.model.eval()), each submodule's mode kept first."""
+        self.__dict__["_modes_before"] = training_modes(self)
+        getattr(self.lightning, f"on_{_HOOK_STAGE[stage]}_model_eval")()
+
+    def exit_evaluation(self, stage: str) -> None:
+        """Lightning's on_<stage>_model_train when the module overrides it, else each submodule's mode back; then
+        teardown(stage) of the data module, the callbacks and the module."""
+        hook = f"on_{_HOOK_STAGE[stage]}_model_train"
+        if stage != "predict" and _overrides(self.lightning, hook):
+            getattr(self.lightning, hook)()
         else:
             restore_modes(self.__dict__.pop("_modes_before", []))
         self.teardown()

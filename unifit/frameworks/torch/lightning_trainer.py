@@ -67,7 +67,11 @@ TRAINER_FACTS = (
     "strategy",
     "precision_plugin",
 )
-_STAGE_FLAGS = {"validating": "validate", "testing": "test", "predicting": "predict"}
+
+
+class NotOffered(ConfigError, AttributeError):
+    """What the stand-in does not offer: one line naming what it does; an AttributeError too, so that
+    `hasattr(trainer, name)` and `getattr(trainer, name, default)` answer as for any object."""
 
 
 class TrainerView:
@@ -76,6 +80,7 @@ class TrainerView:
     def __init__(self, lightning_module: Any = None, datamodule: Any = None) -> None:
         self.ctx: Any = None  # unifit's FitContext, once the fit has set up
         self.seams: Any = None  # the running engine's StepSeams, while fit trains
+        self.dist: Any = None  # unifit's Strategy of this run (fit, validate, test, predict), for the collectives
         self.lightning_module = lightning_module
         self.datamodule = datamodule
         self.callbacks: list[Any] = []  # the Lightning callbacks of this run (run as they are, or mapped)
@@ -158,7 +163,8 @@ class TrainerView:
     @should_stop.setter
     def should_stop(self, value: bool) -> None:
         if value and self.ctx is not None:
-            self.ctx.state.request_stop("trainer.should_stop was set (by the LightningModule or a callback)")
+            reason = "trainer.should_stop was set (by the LightningModule or a callback)"
+            self.ctx.state.ask_to_stop(reason, self.ctx.world_size)  # with several ranks, at their next agreement
 
     @property
     def callback_metrics(self) -> dict[str, torch.Tensor]:
@@ -240,7 +246,7 @@ class TrainerView:
         return self.seams
 
     def __getattr__(self, name: str) -> Any:
-        raise ConfigError(
+        raise NotOffered(
             f"trainer.{name}: unifit runs this LightningModule and its callbacks without a Lightning Trainer; "
             f"it offers {', '.join(TRAINER_FACTS)} (see docs/lightning.md)"
         )
@@ -319,10 +325,12 @@ class _StrategyView:
         return bool(self._unifit().all_reduce_max(np.array([1.0 if decision else 0.0]))[0])
 
     def _unifit(self) -> Any:
-        return self._view._seams().engine.strategy
+        if self._view.dist is None:
+            raise ConfigError("trainer.strategy: its collectives exist once fit/validate/test/predict has set up")
+        return self._view.dist
 
     def __getattr__(self, name: str) -> Any:
-        raise ConfigError(
+        raise NotOffered(
             f"trainer.strategy.{name}: unifit runs this LightningModule without a Lightning Trainer; its strategy "
             "stand-in offers backward, optimizer_step, barrier, broadcast, all_gather, reduce, "
             "reduce_boolean_decision, world_size, global_rank, local_rank, is_global_zero and root_device"

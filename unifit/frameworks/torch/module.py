@@ -112,15 +112,14 @@ class TrainModule(ModuleBase, torch.nn.Module):
         self.eval()
 
     def on_validation_model_train(self) -> None:
-        """After validation; by default each submodule's mode from before it comes back (a frozen part stays in
-        eval mode), as in Lightning."""
+        """After a validation inside fit, when overridden (the engine calls it instead of giving each submodule its
+        mode from before back, as Lightning does); the default does nothing."""
 
-    def on_evaluation_start(self, stage: str) -> None:
-        """Before Trainer.validate/test/predict's first batch: the model in eval mode (its modes given back after)."""
-        self._modes_before = training_modes(self)
+    def enter_evaluation(self, stage: str) -> None:
+        self.__dict__["_modes_before"] = training_modes(self)  # each submodule's, given back by exit_evaluation
         self.eval()
 
-    def on_evaluation_end(self, stage: str) -> None:
+    def exit_evaluation(self, stage: str) -> None:
         restore_modes(self.__dict__.pop("_modes_before", []))
 
     def overrides_model_train(self) -> bool:
@@ -156,8 +155,6 @@ class TrainModule(ModuleBase, torch.nn.Module):
         if self._unifit_steps is None:
             raise ConfigError(f"{type(self).__name__}: optimizers and backward are offered only while fit() trains")
         return self._unifit_steps
-
-    _modes_before: list[tuple[torch.nn.Module, bool]] = []
 
     def _detach(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):

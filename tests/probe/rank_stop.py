@@ -1,0 +1,31 @@
+"""One rank's own code asks to stop (a LightningModule sets trainer.should_stop on rank 1 only, as code reacting to
+its own batch does): every rank must stop at the same agreed step, none left waiting for the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
+
+import unifit  # noqa: E402
+
+
+class StopsOnOneRank(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 5:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    state = unifit.Trainer(
+        max_epochs=3, root_dir=str(out / "run"), progress_bar=False, preemption={"check_every_n_steps": 4}
+    ).fit(StopsOnOneRank())
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"rank{rank}.json").write_text(json.dumps({"step": state.global_step, "epoch": state.epoch}))
