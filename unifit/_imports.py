@@ -34,6 +34,15 @@ def require(package: str, *, purpose: str) -> Any:
         ) from exc
 
 
+LIGHTNING = ("lightning", "pytorch_lightning")
+
+
+def derives_from(obj: Any, name: str, *packages: str) -> bool:
+    """Whether `obj` is an instance of a class called `name` from one of `packages` (top-level names), asked by name so
+    that the package (Lightning, Keras, TensorFlow) is not imported to ask."""
+    return any(c.__name__ == name and c.__module__.split(".")[0] in packages for c in type(obj).__mro__)
+
+
 def tensorboard_without_tensorflow() -> None:
     """TensorBoard's writer resolves `tensorboard.compat.tf`, which imports TensorFlow whenever it is
     installed: seconds of start-up, ~500 MB of memory and TensorFlow's log lines in a PyTorch run.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from unifit._imports import derives_from
 from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
 from unifit.storage import filesystem
@@ -21,7 +22,7 @@ RANK_ZERO = ("ModelCheckpoint", "CSVLogger", "RemoteMonitor")
 
 def is_keras_callback(obj: Any) -> bool:
     """A keras.callbacks.Callback (Keras 3), checked by name: TensorFlow is not imported to ask."""
-    return any(c.__name__ == "Callback" and c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__)
+    return derives_from(obj, "Callback", "keras")
 
 
 def keras_kind(callback: Any) -> str | None:

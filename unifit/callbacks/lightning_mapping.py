@@ -18,6 +18,7 @@ import logging
 from datetime import timedelta
 from typing import Any, Callable
 
+from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
 
 log = logging.getLogger("unifit")
@@ -165,11 +166,7 @@ MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
 
 def is_lightning_callback(obj: Any) -> bool:
     """A lightning.Callback (or pytorch_lightning's), checked by name: lightning is not imported to ask."""
-    return any(
-        c.__name__ == "Callback" and c.__module__.endswith("callbacks.callback")
-        and c.__module__.startswith(("lightning", "pytorch_lightning"))
-        for c in type(obj).__mro__
-    )  # fmt: skip
+    return derives_from(obj, "Callback", *LIGHTNING)
 
 
 def lightning_kind(callback: Any) -> str | None:

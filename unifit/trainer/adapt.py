@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from unifit._imports import derives_from
 from unifit.callbacks.foreign import CallbackPlan, plan_callbacks
 from unifit.callbacks.keras_callbacks import KerasCallbacks
 from unifit.callbacks.lightning_hooks import LightningEpochEnds, LightningHooks
@@ -180,9 +181,7 @@ def trainable(module: Any, data: Any = None) -> tuple[ModuleBase, Any]:
 
 def is_keras_model(obj: Any) -> bool:
     """A Keras 3 keras.Model instance, checked by class name so that TensorFlow is not imported to ask."""
-    return not isinstance(obj, type) and any(
-        c.__name__ == "Model" and c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__
-    )
+    return not isinstance(obj, type) and derives_from(obj, "Model", "keras")
 
 
 class KerasWeightsBack(Callback):

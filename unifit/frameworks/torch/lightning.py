@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.data import batch_size_of
 from unifit.frameworks.torch.lightning_logger import TensorBoardView
@@ -35,19 +36,11 @@ _CALLBACK_STEP_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_b
 
 
 def is_lightning_module(obj: Any) -> bool:
-    return _derives_from(obj, "LightningModule")
+    return derives_from(obj, "LightningModule", *LIGHTNING)
 
 
 def is_lightning_datamodule(obj: Any) -> bool:
-    return _derives_from(obj, "LightningDataModule")
-
-
-def _derives_from(obj: Any, name: str) -> bool:
-    """Checked by name, so that neither lightning nor pytorch_lightning is imported to ask."""
-    return any(
-        c.__name__ == name and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
-        for c in type(obj).__mro__
-    )
+    return derives_from(obj, "LightningDataModule", *LIGHTNING)
 
 
 def _overrides(obj: Any, hook: str) -> bool:
@@ -66,10 +59,7 @@ def _overrides(obj: Any, hook: str) -> bool:
 
 def is_monitoring(callback: Any) -> bool:
     """Lightning runs these (checkpoints, early stopping) after the module's on_train_epoch_end, the others before."""
-    return any(
-        c.__name__ in ("Checkpoint", "EarlyStopping") and c.__module__.startswith(("lightning", "pytorch_lightning"))
-        for c in type(callback).__mro__
-    )
+    return derives_from(callback, "Checkpoint", *LIGHTNING) or derives_from(callback, "EarlyStopping", *LIGHTNING)
 
 
 class LightningAdapter(TrainModule):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.step_seams import StepOptimizer
 from unifit.strategies import environment
@@ -214,7 +215,7 @@ class TrainerView:
 
     @property
     def checkpoint_callbacks(self) -> list[Any]:
-        return [cb for cb in self.callbacks if _is_a(cb, "Checkpoint")]
+        return [cb for cb in self.callbacks if derives_from(cb, "Checkpoint", *LIGHTNING)]
 
     @property
     def checkpoint_callback(self) -> Any:
@@ -223,7 +224,7 @@ class TrainerView:
 
     @property
     def early_stopping_callback(self) -> Any:
-        return next((cb for cb in self.callbacks if _is_a(cb, "EarlyStopping")), None)
+        return next((cb for cb in self.callbacks if derives_from(cb, "EarlyStopping", *LIGHTNING)), None)
 
     @property
     def optimizers(self) -> list[Any]:
@@ -354,10 +355,3 @@ def unwrapped(optimizer: Any) -> Any:
     if isinstance(optimizer, StepOptimizer) or type(optimizer).__name__ == "LightningOptimizer":
         return optimizer.optimizer
     return optimizer
-
-
-def _is_a(obj: Any, name: str) -> bool:
-    """An instance of Lightning's class `name` (by name: lightning is not imported to ask)."""
-    return any(
-        c.__name__ == name and c.__module__.startswith(("lightning", "pytorch_lightning")) for c in type(obj).__mro__
-    )
