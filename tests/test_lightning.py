@@ -108,9 +108,48 @@ class _LogsAtFitStart(BoringModel):
         self.log("early", 1.0)
 
 
-class _SkipsBatches(BoringModel):
+class _SkipsBatches(Regressor):
+    """Returns None for every third batch (no backward; the step still counts, as Lightning's) and, with
+    `end_at`, -1 from on_train_batch_start at (epoch, batch): the rest of that epoch is skipped."""
+
+    def __init__(self, end_at: tuple[int, int] | None = None, adam: bool = False) -> None:
+        super().__init__()
+        self.end_at, self.adam = end_at, adam
+
     def training_step(self, batch, batch_idx):
-        return None
+        return None if batch_idx % 3 == 1 else super().training_step(batch, batch_idx)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if (self.current_epoch, batch_idx) == self.end_at else None
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01) if self.adam else super().configure_optimizers()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "options, trainer",
+    [
+        ({}, {}),  # SGD + a per-step StepLR: a skipped batch steps the schedule, not the weights
+        ({"end_at": (1, 3), "adam": True}, {"accumulate_grad_batches": 2}),  # -1 inside a window: its gradients go
+    ],
+)
+def test_skipped_batches_and_epochs_on_one_process_as_lightning(tmp_path, options, trainer):
+    torch.manual_seed(0)
+    theirs = _SkipsBatches(**options)
+    lightning_trainer(max_epochs=3, **trainer).fit(theirs)
+    torch.manual_seed(0)
+    ours = _SkipsBatches(**options)
+    Trainer(strategy="single", max_epochs=3, root_dir=str(tmp_path), lr_scaling="none", **QUIET, **trainer).fit(ours)
+    for key, value in _weights(theirs).items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert ours.seen_at_epoch_end == theirs.seen_at_epoch_end  # the global step at each epoch's end
+    # an epoch cut short by -1 still validates at its end under unifit; Lightning skips that epoch's validation
+    validated = [c for c in ours.calls if c == "on_validation_epoch_end"]
+    assert len(validated) == 3 and len([c for c in theirs.calls if c == "on_validation_epoch_end"]) == 3 - bool(
+        options.get("end_at")
+    )
+    assert [c for c in ours.calls if c not in validated] == [c for c in theirs.calls if c not in validated]
 
 
 @pytest.mark.timeout(120)
@@ -120,7 +159,6 @@ def test_what_unifit_cannot_honour_is_refused_in_one_line():
     _bad(ManualOptimBoringModel(), "call self.clip_gradients(opt", trainer={"gradient_clip_val": 1.0})
     _bad(_MedianReduce(), "self.log('peak'): reduce_fx='median'; use one of mean, sum, max, min")
     _bad(_LogsAtFitStart(), "self.log('early', ...) outside the hooks where Lightning allows it")
-    _bad(_SkipsBatches(), "training_step returned None")
     _bad(BoringModel(), "the DataLoader's batch_size is 1 but trainer.batch_size is 4", batch_size=4)
     _bad(Regressor, "received the class Regressor, not an instance")
     _bad(torch.nn.Linear(2, 2), "pass a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass")

@@ -392,4 +392,5 @@ def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
     )  # fmt: skip
     assert_ok(result)
     ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ends[0] == ends[1] == {"step": 8, "epoch": 1}, ends  # asked at step 5, agreed at step 8 (every 4 steps)
+    # -1 on rank 0 ends the first epoch on both after 3 steps; the stop asked at step 5 is agreed at step 8 (every 4)
+    assert ends[0] == ends[1] == {"step": 8, "epoch": 2, "steps_at_epoch_end": [3, 8]}, ends

@@ -1,5 +1,6 @@
 """One rank's own code asks to stop (a LightningModule sets trainer.should_stop on rank 1 only, as code reacting to
-its own batch does): every rank must stop at the same agreed step, none left waiting for the others."""
+its own batch does): every rank must stop at the same agreed step, none left waiting for the others. Before that,
+rank 0 alone returns -1 from on_train_batch_start at the first epoch's 4th batch: every rank ends that epoch there."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ import unifit  # noqa: E402
 
 
 class StopsOnOneRank(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_at_epoch_end: list[int] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if (self.global_rank, self.current_epoch, batch_idx) == (0, 0, 3) else None
+
+    def on_train_epoch_end(self) -> None:
+        self.steps_at_epoch_end.append(self.global_step)
+
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and self.global_step == 5:
             self.trainer.should_stop = True
@@ -24,8 +35,10 @@ class StopsOnOneRank(BoringModel):
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    module = StopsOnOneRank()
     state = unifit.Trainer(
         max_epochs=3, root_dir=str(out / "run"), progress_bar=False, preemption={"check_every_n_steps": 4}
-    ).fit(StopsOnOneRank())
+    ).fit(module)
     rank = int(os.environ.get("RANK", "0"))
-    (out / f"rank{rank}.json").write_text(json.dumps({"step": state.global_step, "epoch": state.epoch}))
+    ends = {"step": state.global_step, "epoch": state.epoch, "steps_at_epoch_end": module.steps_at_epoch_end}
+    (out / f"rank{rank}.json").write_text(json.dumps(ends))

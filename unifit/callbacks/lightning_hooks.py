@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from unifit.callbacks.agreement import agree_on_asked_stop
 from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
@@ -65,12 +67,14 @@ class LightningHooks(Callback):
         self.adapter.call_epoch_hook("on_train_epoch_start")
 
     def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
+        """-1 from the module's hook skips the rest of the epoch; with several ranks, every rank's answer is
+        agreed on each batch (one tiny all-reduce, only for a module that overrides the hook), so that one rank's
+        -1 ends the epoch on all of them at the same batch, where Lightning would hang."""
         self._batch = batch
-        if self.adapter.call_batch_hook("on_train_batch_start", batch, batch_idx, batch=batch) == -1:
-            raise ConfigError(
-                f"{type(self.lm).__name__}.on_train_batch_start returned -1 (skip the rest of the "
-                "epoch), which one rank cannot decide alone; set trainer.should_stop or use max_epochs"
-            )
+        ends = self.adapter.call_batch_hook("on_train_batch_start", batch, batch_idx, batch=batch) == -1
+        if ctx.world_size > 1 and self.adapter.overrides("on_train_batch_start"):
+            ends = bool(ctx.all_reduce_max(np.array([1.0 if ends else 0.0]))[0])
+        ctx.state.end_epoch = ends
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         if self.adapter.overrides("on_train_batch_end") or self.adapter.listens("on_train_batch_end"):

@@ -143,7 +143,7 @@ class ProgressBar(Callback):
                 total=ctx.batches_per_epoch, desc=self._desc, leave=False, dynamic_ncols=True, file=self._stream
             )
         self._bar.update(1)
-        if batch_idx % self.every == 0:
+        if batch_idx % self.every == 0 and loss is not None:  # None: a skipped batch
             self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
 
     def on_train_epoch_end(self, ctx: Any) -> None:

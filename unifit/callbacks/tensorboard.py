@@ -72,7 +72,9 @@ class TensorBoardLogger(Callback):
             return
         self._next_step = step + self.every
         logged = {name: float(value) for name, value in ctx.step_metrics().items()}  # self.log(..., on_step=True)
-        self.scalars({**logged, "train/loss_step": float(loss), "lr_step": ctx.current_lrs()[0]}, step)
+        if loss is not None:  # None: a skipped batch
+            logged["train/loss_step"] = float(loss)
+        self.scalars({**logged, "lr_step": ctx.current_lrs()[0]}, step)
 
     def on_epoch_end(self, ctx: Any) -> None:
         self.scalars({**ctx.state.metrics, "epoch": ctx.state.epoch}, ctx.state.global_step)

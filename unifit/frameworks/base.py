@@ -157,7 +157,7 @@ class Engine(ABC):
     def finite_probe(self, value: Any) -> Callable[[], bool | None]:
         """Start checking `value` for NaN/inf; the returned function gives the answer, or None
         while the device has not computed it yet (so the check never stalls the device queue)."""
-        finite = self.is_finite(value)
+        finite = value is None or self.is_finite(value)  # None: a skipped batch
         return lambda: finite
 
     @abstractmethod

@@ -36,6 +36,7 @@ class TrainState:
     should_stop: bool = False
     stop_reason: str | None = None
     stop_asked: str | None = None  # a stop one rank's own code asked for, until the ranks agree on it
+    end_epoch: bool = False  # set by a batch-start hook (agreed by every rank): the epoch ends before this batch
 
     @property
     def epoch(self) -> int:

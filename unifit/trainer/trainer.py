@@ -242,6 +242,9 @@ class Trainer:
             for batch_idx, batch in enumerate(engine.train_batches(epoch, skip), start=skip):
                 for hook in batch_start:
                     hook(ctx, batch, batch_idx)
+                if state.end_epoch:  # Lightning's on_train_batch_start returning -1: the rest of the epoch skipped
+                    state.end_epoch = False
+                    break
                 loss = engine.train_step(batch, batch_idx)
                 progress.batch_in_epoch = batch_idx + 1
                 progress.optimizer_step = engine.optimizer_steps

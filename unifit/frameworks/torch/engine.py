@@ -24,7 +24,7 @@ from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
 from unifit.frameworks.torch.optimizers import parse_optimizers
 from unifit.frameworks.torch.precision import Precision, make_precision
-from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _loss_of
+from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _has_gradients, _loss_of
 from unifit.strategies import sharded_state
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
@@ -293,21 +293,24 @@ class TorchEngine(TorchEvaluation, Engine):
             return batches
         return (transfer(batch, 0) for batch in batches)
 
-    def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         # the sampler's batch sizes, known at set-up: the step need not look into the batch
         sizes = self._sizes
         count = (sizes[0] if batch_idx + 1 < self._batches else sizes[1]) if sizes else tdata.batch_size_of(batch)
         self.collector.batch_count = count
         accumulate = self.accumulate
+        loss: torch.Tensor | None
         if self._plain:
-            loss = _loss_of(self._forward(batch, batch_idx))
-            loss.backward()
-            self._optimizer_step()
+            out = self._forward(batch, batch_idx)
+            loss = None if out is None else _loss_of(out)
+            if loss is not None:
+                loss.backward()
+            self._optimizer_step(taken=loss is not None or _has_gradients(self.optimizer))
         elif self._seamed:  # manual optimization, or the module's hooks inside the step
             loss = self.seams.train_step(batch, batch_idx, self._epoch)
         elif accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self._batches:
             loss = self._forward_backward(batch, batch_idx)
-            self._optimizer_step()
+            self._optimizer_step(taken=loss is not None or _has_gradients(self.optimizer))
         else:
             with self.training.accumulating(self.wrapped):
                 loss = self._forward_backward(batch, batch_idx)
@@ -315,6 +318,8 @@ class TorchEngine(TorchEvaluation, Engine):
         if last:  # as Lightning: the epoch's schedule steps in its last batch
             self._epoch_schedule()
         self._mid_window = accumulate != 1 and (batch_idx + 1) % accumulate != 0 and not last
+        if loss is None:  # a skipped batch (training_step returned None, one process only): no loss to count
+            return None
         if self._move:
             loss = loss.detach()  # kept as a tensor: read once at epoch end, no device sync per step
             self.collector.add("train/loss", loss, count)
@@ -323,22 +328,29 @@ class TorchEngine(TorchEvaluation, Engine):
         self.collector.add("train/loss", loss.item(), count)
         return loss.detach()
 
-    def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         with self.precision.autocast():
-            loss = _loss_of(self._forward(batch, batch_idx))
+            out = self._forward(batch, batch_idx)
+        if out is None:  # a skipped batch: no backward (one process only; the module's adapter refuses it otherwise)
+            return None
+        loss = _loss_of(out)
         self.training.backward(loss / self.accumulate if self.accumulate != 1 else loss)
         return loss
 
-    def _optimizer_step(self) -> None:
-        """The strategy steps; during warmup at the ramped lr (the user's scheduler keeps its own values)."""
+    def _optimizer_step(self, taken: bool = True) -> None:
+        """The strategy steps; during warmup at the ramped lr (the user's scheduler keeps its own values).
+        Not `taken` (every batch of the window was skipped, so no gradient): the step counts, as in Lightning,
+        and the schedules step, but the optimizer does not (a loss scaler has nothing to unscale)."""
         optimizer, step = self.optimizer, self._steps
-        warmup = step < self.policy.warmup_steps
+        warmup = taken and step < self.policy.warmup_steps
         if warmup:
             ramp = self.policy.ramp(step)
             scheduled = [group["lr"] for group in optimizer.param_groups]
             for group, lr in zip(optimizer.param_groups, scheduled):
                 group["lr"] = lr * ramp
-        if self._plain:
+        if not taken:
+            pass
+        elif self._plain:
             optimizer.step()
             optimizer.zero_grad()
         else:
@@ -353,6 +365,10 @@ class TorchEngine(TorchEvaluation, Engine):
 
     def end_of_epoch(self) -> None:
         self._epoch_schedule()  # an epoch that ended early (max_steps, a stop) steps its schedule here
+        if self._mid_window:  # ended inside an accumulation window (on_train_batch_start returned -1): as
+            for optimizer in self.optimizers:  # Lightning, the next epoch starts from zero gradients
+                optimizer.zero_grad()
+            self._mid_window = False
         self._epochs_done += 1
 
     def _epoch_schedule(self) -> None:

@@ -266,10 +266,11 @@ class LightningAdapter(TrainModule):
     # ---- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         out = self._call_step("training_step", batch, batch_idx)
-        if out is None and self.lightning.automatic_optimization:
-            raise ConfigError(
-                f"{type(self.lightning).__name__}.training_step returned None (a skipped batch); every "
-                "rank must take every step under distributed training: return the loss"
+        if out is None and self.lightning.automatic_optimization and self.view.world_size > 1:
+            raise ConfigError(  # Lightning's own rule: every rank's backward takes part in the gradients' average
+                f"{type(self.lightning).__name__}.training_step returned None (a skipped batch) on "
+                f"{self.view.world_size} ranks, which Lightning allows on one process only: return a loss "
+                "(e.g. loss * 0 for a batch to skip)"
             )
         self._step_output = out
         return out

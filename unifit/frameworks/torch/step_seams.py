@@ -93,7 +93,7 @@ class StepSeams:
     def step(self, optimizer: Any, closure: Callable[[], Any] | None) -> Any:
         if not self.manual:  # optimizer_step's default: the closure (forward, backward), then the step
             result = closure() if closure is not None else None
-            self.engine._optimizer_step()
+            self.engine._optimizer_step(taken=result is not None or _has_gradients(optimizer))
             return result
         result = closure() if closure is not None else None
         engine, i = self.engine, self._index(optimizer)
@@ -133,7 +133,7 @@ class StepSeams:
             torch.nn.utils.clip_grad_value_(parameters, clip_val)
 
     # ---- what the engine calls -------------------------------------------------------------
-    def train_step(self, batch: Any, batch_idx: int, epoch: int) -> torch.Tensor:
+    def train_step(self, batch: Any, batch_idx: int, epoch: int) -> torch.Tensor | None:
         return self._manual_step(batch, batch_idx) if self.manual else self._automatic_step(batch, batch_idx, epoch)
 
     def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -148,19 +148,25 @@ class StepSeams:
             return torch.stack([loss.float() for loss in self._losses]).sum()
         return torch.zeros((), device=engine.device)
 
-    def _automatic_step(self, batch: Any, batch_idx: int, epoch: int) -> torch.Tensor:
+    def _automatic_step(self, batch: Any, batch_idx: int, epoch: int) -> torch.Tensor | None:
         engine, module = self.engine, self.engine.module
         accumulate, optimizer = engine.accumulate, engine.optimizer
         first = accumulate == 1 or batch_idx % accumulate == 0
         stepping = accumulate == 1 or (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == engine.batches_per_epoch
         self._loss = None
+        ran = False
 
-        def closure() -> torch.Tensor:
+        def closure() -> torch.Tensor | None:
+            nonlocal ran
+            ran = True
             with engine.precision.autocast():
-                loss = _loss_of(engine._forward(batch, batch_idx))
+                out = engine._forward(batch, batch_idx)
             if first:
                 module.on_before_zero_grad(optimizer)
                 module.optimizer_zero_grad(epoch, batch_idx, optimizer)
+            if out is None:  # a skipped batch (one process only): no backward, as Lightning's closure
+                return None
+            loss = _loss_of(out)
             self.backward(loss / accumulate if accumulate != 1 else loss)
             self._loss = loss
             return loss
@@ -170,7 +176,7 @@ class StepSeams:
         else:
             with engine.training.accumulating(engine.wrapped):
                 closure()
-        if self._loss is None:
+        if not ran:
             raise ConfigError(
                 f"{type(module).__name__}.optimizer_step did not call optimizer.step(closure=optimizer_closure); "
                 "the closure runs training_step and backward: pass it on"
@@ -196,6 +202,11 @@ class StepSeams:
             f"{type(self.engine.module).__name__}: stepped an optimizer configure_optimizers() did not return; "
             "step the ones self.optimizers() gives"
         )
+
+
+def _has_gradients(optimizer: Any) -> bool:
+    """Whether an earlier micro-batch of the window left gradients (asked only after a skipped batch)."""
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _loss_of(output: Any) -> torch.Tensor:
