@@ -512,3 +512,49 @@ def test_several_predict_loaders_give_a_list_of_predictions(tmp_path):
     assert isinstance(ours, list) and [len(p) for p in ours] == [10, 6]
     for mine, their_batches in zip(ours, theirs):
         torch.testing.assert_close(mine, torch.cat(their_batches), rtol=0, atol=0)
+
+
+class _TwoLoaders(BoringModel):
+    """Trains on a list of two loaders of 8 and 3 batches, or a CombinedLoader of them in `mode`; records what
+    each step received (the second loader's first value, or None)."""
+
+    def __init__(self, mode: str | None) -> None:
+        super().__init__()
+        self.mode, self.seen = mode, []
+
+    def train_dataloader(self):
+        from lightning.pytorch.utilities import CombinedLoader
+
+        first = torch.utils.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=1)
+        second = torch.utils.data.DataLoader(torch.arange(100.0, 106.0).reshape(3, 2), batch_size=1)
+        return [first, second] if self.mode is None else CombinedLoader([first, second], mode=self.mode)
+
+    def training_step(self, batch, batch_idx):
+        first, second = batch
+        self.seen.append(None if second is None else float(second[0, 0]))
+        loss = self.layer(first.repeat(1, 16)).sum() + (0 if second is None else self.layer(second.repeat(1, 16)).sum())
+        return loss * 1e-3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", [None, "min_size", "max_size"])
+def test_several_training_loaders_combine_as_lightnings_combined_loader(tmp_path, mode):
+    torch.manual_seed(0)
+    theirs = _TwoLoaders(mode)
+    lightning_trainer(max_epochs=2).fit(theirs)
+    torch.manual_seed(0)
+    ours = _TwoLoaders(mode)
+    Trainer(strategy="single", max_epochs=2, root_dir=str(tmp_path), lr_scaling="none", **QUIET).fit(ours)
+    assert ours.seen == theirs.seen  # None (max_size_cycle): the short loader cycles, 8 steps an epoch
+    for key, value in _weights(theirs).items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+
+
+class _SequentialTraining(_TwoLoaders):
+    def __init__(self) -> None:
+        super().__init__("sequential")
+
+
+@pytest.mark.timeout(60)
+def test_a_sequential_combined_loader_is_refused_for_training_as_lightning_does():
+    _bad(_SequentialTraining(), "CombinedLoader(mode='sequential') for training")

@@ -4,6 +4,8 @@
 - `GAN`: manual optimization with two optimizers stepped in turn (`self.optimizers()`, `toggle_optimizer`,
   `manual_backward`, `opt.step()`), the discriminator's gradients accumulated by hand over two batches and
   clipped with `self.clip_gradients`, the generator's StepLR stepped by hand at the epoch's end;
+- `TwoSourcesClassifier` on `TwoSourcesData`: two training loaders of different sizes in one step (a dict, which
+  Lightning combines "max_size_cycle");
 - `BalancedClassifier` on `ImbalancedData`: a class-imbalanced data module whose DataLoader rebalances with a
   `WeightedRandomSampler`;
 - `HookedClassifier`: automatic optimization with the hooks inside the step: `on_before_backward`,
@@ -230,7 +232,39 @@ class BalancedClassifier(Classifier):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
+class TwoSourcesData(ClassData):
+    """Two training sources of different sizes in every step, as semi-supervised code feeds them: the labelled
+    set and a smaller unlabelled one, returned as a dict (Lightning's CombinedLoader, "max_size_cycle": the
+    smaller one cycles until the labelled set's epoch ends)."""
+
+    def __init__(self, batch_size: int, n: int = 96, unlabelled: int = 40) -> None:
+        super().__init__(batch_size, n)
+        self.unlabelled = TensorDataset(torch.randn(unlabelled, FEATURES, generator=torch.Generator().manual_seed(5)))
+
+    def train_dataloader(self) -> Any:
+        return {
+            "labelled": DataLoader(self.data, batch_size=self.batch_size),
+            "unlabelled": DataLoader(self.unlabelled, batch_size=self.batch_size),
+        }
+
+
+class TwoSourcesClassifier(Classifier):
+    """Cross-entropy on the labelled batch plus entropy minimisation on the unlabelled one."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch["labelled"]
+        (u,) = batch["unlabelled"]
+        p = self.net(u).softmax(dim=1)
+        loss = F.cross_entropy(self.net(x), y) - 0.1 * (p * p.log()).sum(dim=1).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
 MODELS = {
+    "two-sources": (lambda b: (TwoSourcesClassifier(), TwoSourcesData(b)), False),
     "gan": (lambda b: (GAN(), GANData(b)), False),
     "hooks": (lambda b: (HookedClassifier(), ClassData(b)), False),
     "imbalanced": (lambda b: (BalancedClassifier(), ImbalancedData(b)), False),

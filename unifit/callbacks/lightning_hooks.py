@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 
 from unifit.callbacks.agreement import agree_on_asked_stop
-from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
 
 

@@ -18,8 +18,8 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
+from unifit.frameworks.torch import combined, iterable, user_loaders
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch import iterable, user_loaders
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
 from unifit.frameworks.torch.optimizers import parse_optimizers
@@ -116,6 +116,17 @@ class TorchEngine(TorchEvaluation, Engine):
                 num_workers=cfg.num_workers,
                 pin_memory=pin,
             )
+        elif isinstance(train, combined.Combined):  # several loaders, a batch of each per step (Lightning's)
+            self.train_loader = combined.shard(
+                train,
+                batch_size=cfg.batch_size,
+                world_size=shards[0],
+                rank=shards[1],
+                seed=cfg.seed,
+                drop_last=cfg.drop_last,
+                num_workers=cfg.num_workers,
+                pin_memory=pin,
+            )
         elif user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampling sharded
             self.train_loader = user_loaders.train_loader_from(
                 train,
@@ -168,13 +179,13 @@ class TorchEngine(TorchEvaluation, Engine):
         self.accumulate = cfg.accumulate_grad_batches
         manual = not getattr(self.module, "automatic_optimization", True)
         if manual:
-            _check_manual(cfg, type(self.module).__name__)
+            _check_manual(cfg, _name(self.module))
         steps_per_epoch = math.ceil(self._batches / self.accumulate)
         self.module.stepping_batches = self._fit_length(steps_per_epoch)  # known before configure_optimizers
         cfg = self.config  # max_steps: with the epochs it spans
         hooks = self.module.step_hooks()
         self.optimizers, self.schedules = parse_optimizers(
-            _configure_optimizers(self.module), type(self.module).__name__, manual, "lr_scheduler_step" in hooks
+            _configure_optimizers(self.module), _name(self.module), manual, "lr_scheduler_step" in hooks
         )
         self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
         for optimizer in self.optimizers:
@@ -233,6 +244,8 @@ class TorchEngine(TorchEvaluation, Engine):
     def _adopt_batch_size(self, train: Any) -> Any:
         """The run's config, with the training DataLoader's batch size when trainer.batch_size was not set."""
         cfg = self.config
+        if isinstance(train, combined.Combined):  # several loaders: the first one's batch size is the run's
+            train = train.loaders[0]
         loader = train if user_loaders.is_loader(train) else None
         if loader is None:
             return cfg
@@ -283,6 +296,8 @@ class TorchEngine(TorchEvaluation, Engine):
         self._epoch = epoch  # the module's modes are its own, as in Lightning (validation gives them back)
         if self._stream:  # a stream skips whole batches; a sampler skips sample indices
             self.train_loader.dataset.set_epoch(epoch, skip)
+        elif isinstance(self.train_loader, combined.CombinedTrainLoader):
+            self.train_loader.set_epoch(epoch, skip)
         else:
             user_loaders.set_epoch(self.train_loader, epoch, skip)
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
@@ -394,7 +409,7 @@ class TorchEngine(TorchEvaluation, Engine):
                 self.module.lr_scheduler_step(schedule.scheduler, metrics[schedule.monitor])
             elif validated or not self.has_validation:
                 raise ConfigError(
-                    f"{type(self.module).__name__}.configure_optimizers(): the scheduler monitors "
+                    f"{_name(self.module)}.configure_optimizers(): the scheduler monitors "
                     f"'{schedule.monitor}', which was not logged; logged metrics: {sorted(metrics)}"
                 )
 
@@ -547,6 +562,11 @@ class TorchEngine(TorchEvaluation, Engine):
         return payload
 
 
+def _name(module: Any) -> str:
+    """The user's class, for messages (a LightningModule's own, not its adapter's)."""
+    return type(getattr(module, "lightning", module)).__name__
+
+
 def _compiled(forward: Any) -> Any:
     """trainer.compile: torch.compile of the step's forward (the strategy's wrapper included)."""
     try:
@@ -567,7 +587,7 @@ def _configure_optimizers(module: torch.nn.Module) -> Any:
         return module.configure_optimizers()
     except ValueError as exc:
         raise ConfigError(
-            f"{type(module).__name__}.configure_optimizers() rejected its arguments: {exc}; "
+            f"{_name(module)}.configure_optimizers() rejected its arguments: {exc}; "
             "fix the module's init_args (e.g. a negative lr)"
         ) from None
 

@@ -20,6 +20,7 @@ import torch
 
 from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
+from unifit.frameworks.torch.combined import Combined
 from unifit.frameworks.torch.data import batch_size_of
 from unifit.frameworks.torch.lightning_logger import TensorBoardView
 from unifit.frameworks.torch.lightning_trainer import TrainerView
@@ -455,17 +456,21 @@ class LightningAdapter(TrainModule):
 
 
 def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:
-    """One loader, or Several for validation and test (a list or dict of them, in order, as Lightning's
-    sequential CombinedLoader runs them); training takes one (Lightning's "max_size_cycle" of several training
-    loaders is refused)."""
+    """One loader; Several for validation and test (a list or dict of them, in order, as Lightning's sequential
+    CombinedLoader runs them); for training a Combined (Lightning's "max_size_cycle" for a list or dict, or the
+    mode of the CombinedLoader the module returned)."""
+    mode = None
+    if derives_from(loaders, "CombinedLoader", *LIGHTNING):
+        mode, loaders = loaders._mode, loaders.iterables
     if not isinstance(loaders, (list, tuple, dict)):
         return loaders
-    loaders = list(loaders.values()) if isinstance(loaders, dict) else list(loaders)
-    if len(loaders) == 1:
-        return loaders[0]
-    if not several_ok:
-        raise ConfigError(
-            f"{what} returned {len(loaders)} loaders; unifit trains on one loader: "
-            "combine them into one dataset (torch.utils.data.ConcatDataset)"
-        )
-    return Several(loaders)
+    keys = list(loaders) if isinstance(loaders, dict) else None
+    items = list(loaders.values()) if isinstance(loaders, dict) else list(loaders)
+    if several_ok:
+        if mode not in (None, "sequential"):
+            raise ConfigError(
+                f"{what} returned CombinedLoader(mode={mode!r}); Lightning evaluates loaders one after another "
+                "(mode='sequential'): return the list of loaders"
+            )
+        return items[0] if len(items) == 1 else Several(items)
+    return Combined(items, keys, mode or "max_size_cycle", what)

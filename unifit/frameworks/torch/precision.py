@@ -23,8 +23,11 @@ class Precision:
 
     name = "32-true"
 
-    def autocast(self, cache: bool = True) -> ContextManager[Any]:
-        """`cache`: keep the cast weights for the region (off when weights change inside it: manual optimization)."""
+    def autocast(self) -> ContextManager[Any]:
+        """The region the step's forward runs in. Mixed precision casts without autocast's weight cache, as
+        Lightning does: a weight used twice in a step gets each use's gradient back in float32 (with the
+        cache they add up in the low precision first), and a step that changes weights inside it (manual
+        optimization) never computes with a stale cast copy."""
         return _PLAIN
 
     def backward(self, loss: torch.Tensor, *args: Any, run: Any = None, **kwargs: Any) -> None:
@@ -54,10 +57,10 @@ class MixedPrecision(Precision):
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         self._unscaled: set[int] = set()  # optimizers unscaled since their last step (a user's clip, then the step)
 
-    def autocast(self, cache: bool = True) -> ContextManager[Any]:
+    def autocast(self) -> ContextManager[Any]:
         if self.device_type == "cpu" and self.dtype == torch.float16:
-            return _cpu_float16(cache)
-        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=cache)
+            return _cpu_float16()
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
     def backward(self, loss: torch.Tensor, *args: Any, run: Any = None, **kwargs: Any) -> None:
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
@@ -85,10 +88,10 @@ class MixedPrecision(Precision):
 
 
 @contextlib.contextmanager
-def _cpu_float16(cache: bool) -> Iterator[None]:
+def _cpu_float16() -> Iterator[None]:
     """Autocast to float16 on CPU, where some layers have no float16 kernel (nn.LSTM: oneDNN 'could not
     create a primitive descriptor'): that error names the setting to change instead."""
-    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=cache):
+    with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
         try:
             yield
         except RuntimeError as exc:

@@ -139,7 +139,7 @@ class StepSeams:
     def _manual_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         engine = self.engine
         self._losses = []
-        with engine.precision.autocast(cache=False):  # the step changes weights inside: no stale cast copies
+        with engine.precision.autocast():
             out = engine._forward(batch, batch_idx)
         if isinstance(out, torch.Tensor) or (isinstance(out, dict) and "loss" in out):
             loss = out if isinstance(out, torch.Tensor) else out["loss"]

@@ -1,0 +1,131 @@
+"""Several training loaders at once, as Lightning's CombinedLoader runs them: each step gets one batch of
+every loader (a list, or a dict by the names the module gave), for a LightningModule whose train_dataloader()
+returns a list or dict of loaders (Lightning's default mode, "max_size_cycle") or a CombinedLoader in mode
+"max_size_cycle", "min_size" or "max_size".
+
+Each loader is sharded over the ranks on its own, exactly as a single one is (user_loaders.py), and the
+combination is resumable mid-epoch: a shorter loader cycled by "max_size_cycle" restarts the same epoch's
+order (as Lightning's, which re-iterates it without a new set_epoch), so the position of every loader after
+`skip` steps is known without loading anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from unifit.errors import ConfigError
+from unifit.frameworks.torch import data as tdata
+from unifit.frameworks.torch import iterable, user_loaders
+
+MODES = ("max_size_cycle", "min_size", "max_size")
+
+
+class Combined:
+    """Several training loaders and how to combine them, as the module gave them (not yet sharded)."""
+
+    def __init__(self, loaders: list[Any], keys: list[Any] | None, mode: str, what: str) -> None:
+        if mode not in MODES:
+            raise ConfigError(
+                f"{what}: CombinedLoader(mode={mode!r}) for training; Lightning trains with "
+                f"{', '.join(MODES)} (its fit loop refuses 'sequential' too): pick one of them"
+            )
+        self.loaders, self.keys, self.mode, self.what = loaders, keys, mode, what
+
+
+class CombinedTrainLoader:
+    """This rank's combination of its sharded loaders; `set_epoch(epoch, skip)` before each epoch."""
+
+    batch_size = None  # the samples of a step are read from each combined batch (its first loader's)
+
+    def __init__(self, combined: Combined, loaders: list[Any]) -> None:
+        self.keys, self.mode = combined.keys, combined.mode
+        self.loaders = loaders
+        self.lengths = [len(loader) for loader in loaders]
+        self.generator = _Generators([loader.generator for loader in loaders])
+        self.dataset = loaders[0].dataset  # for messages: the first loader's
+        self._epoch, self._skip = 0, 0
+
+    def __len__(self) -> int:
+        return min(self.lengths) if self.mode == "min_size" else max(self.lengths)
+
+    def set_epoch(self, epoch: int, skip: int) -> None:
+        """Every loader at the position it reaches after `skip` combined batches of epoch `epoch`."""
+        self._epoch, self._skip = epoch, skip
+        for loader, length in zip(self.loaders, self.lengths):
+            offset = skip % length if self.mode == "max_size_cycle" else min(skip, length)
+            user_loaders.set_epoch(loader, epoch, offset)
+
+    def __iter__(self) -> Iterator[Any]:
+        """len(self) - skip combined batches: a shorter loader cycles ("max_size_cycle") or gives None once
+        it is done ("max_size"); "min_size" ends with the shortest."""
+        iterators: list[Iterator[Any] | None] = [iter(loader) for loader in self.loaders]
+        for _ in range(len(self) - self._skip):
+            batches = []
+            for i, loader in enumerate(self.loaders):
+                batch = next(iterators[i], _END) if iterators[i] is not None else None
+                if batch is _END:
+                    if self.mode == "max_size_cycle":  # the same epoch's order again, from its start
+                        user_loaders.set_epoch(loader, self._epoch, 0)
+                        iterators[i] = iter(loader)
+                        batch = next(iterators[i])
+                    else:
+                        iterators[i], batch = None, None
+                batches.append(batch)
+            yield dict(zip(self.keys, batches)) if self.keys is not None else batches
+
+
+def shard(
+    combined: Combined,
+    *,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    drop_last: bool,
+    num_workers: int,
+    pin_memory: bool,
+) -> CombinedTrainLoader:
+    """Each loader sharded for this rank as a single one is (a dataset or arrays with unifit's own loader)."""
+    loaders = []
+    for i, each in enumerate(combined.loaders):
+        what = f"{combined.what}[{combined.keys[i] if combined.keys else i}]"
+        if iterable.is_stream(each):
+            raise ConfigError(
+                f"{what}: an IterableDataset among several training loaders; unifit combines loaders of a known "
+                "length (cycled by position): give it a map-style dataset, or train on the stream alone"
+            )
+        if user_loaders.is_loader(each):
+            loader = user_loaders.train_loader_from(
+                each, what, world_size=world_size, rank=rank, seed=seed + i, drop_last=drop_last
+            )
+        else:
+            loader = tdata.train_loader(
+                tdata.as_dataset(each, what),
+                batch_size=batch_size,
+                world_size=world_size,
+                rank=rank,
+                seed=seed + i,
+                drop_last=drop_last,
+                num_workers=num_workers,
+                pin_memory=pin_memory,
+            )
+        if len(loader) == 0:
+            raise ConfigError(f"{what}: no batch on rank {rank} of {world_size}; give it more data or a smaller batch")
+        loaders.append(loader)
+    return CombinedTrainLoader(combined, loaders)
+
+
+class _Generators:
+    """The loaders' generators seeded together (the engine seeds worker seeds per rank and epoch)."""
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.generators = generators
+
+    def manual_seed(self, seed: int) -> None:
+        for i, generator in enumerate(self.generators):
+            generator.manual_seed(seed + 7_919 * i)
+
+
+_END = object()
