@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import (
     BasePredictionWriter,
     EarlyStopping,
+    EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
@@ -258,7 +259,7 @@ def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
     both = _refused(
         "StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), OnExceptionCheckpoint(str(tmp_path))]
     )
-    assert "OnExceptionCheckpoint" in both and "keeps a second, averaged model" in both
+    assert "OnExceptionCheckpoint" in both and "use Lightning's WeightAveraging" in both
     _refused(
         "sets trainer.checkpoint.keep_last_n, which the config sets to another value",
         callbacks=[ModelCheckpoint(monitor="x")],
@@ -276,6 +277,39 @@ def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
         module=_TrainModule(),
         callbacks=[HookedCallback([], "x")],
     )
+
+
+def _averaged(root, epochs: int, averaging: bool = True, ckpt_path: str | None = None) -> tuple[Regressor, dict]:
+    torch.manual_seed(0)
+    module = Regressor()
+    callbacks = [EMAWeightAveraging(decay=0.9)] if averaging else []
+    trainer = unifit.Trainer(max_epochs=epochs, batch_size=8, root_dir=str(root), callbacks=callbacks, **QUIET)
+    return module, trainer.fit(module, ckpt_path=ckpt_path).metrics
+
+
+@pytest.mark.timeout(120)
+def test_weight_averaging_runs_unchanged_validates_and_resumes_as_lightning(tmp_path):
+    """Lightning's EMAWeightAveraging: validation with the averaged weights, the averaged model at the end, its
+    average carried through a checkpoint (resume), and evaluation from a checkpoint with the averaged weights."""
+    torch.manual_seed(0)
+    theirs = Regressor()
+    reference = _lightning(max_epochs=3, callbacks=[EMAWeightAveraging(decay=0.9)])
+    reference.fit(theirs)
+    ours, metrics = _averaged(tmp_path / "full", 3)
+    plain, _ = _averaged(tmp_path / "plain", 3, averaging=False)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert max((plain.state_dict()[k] - v).abs().max().item() for k, v in theirs.state_dict().items()) > 1e-3
+    assert metrics["val_mse"] == pytest.approx(float(reference.callback_metrics["val_mse"]), rel=1e-5)
+    _averaged(tmp_path / "part", 2)
+    resumed, _ = _averaged(tmp_path / "part", 3, ckpt_path="last")
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    torch.manual_seed(0)
+    fresh = Regressor()  # the checkpoint's weights are the averaged ones, as in Lightning's
+    validated = unifit.Trainer(batch_size=8, root_dir=str(tmp_path / "full"), **QUIET).validate(fresh, ckpt_path="last")
+    assert validated["val_mse"] == pytest.approx(metrics["val_mse"], rel=1e-6)
+    _refused("keeps a whole, unsharded copy of the model", strategy="fsdp", callbacks=[EMAWeightAveraging()])
 
 
 @pytest.mark.timeout(120)
@@ -393,4 +427,6 @@ def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
     assert_ok(result)
     ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # -1 on rank 0 ends the first epoch on both after 3 steps; the stop asked at step 5 is agreed at step 8 (every 4)
-    assert ends[0] == ends[1] == {"step": 8, "epoch": 2, "steps_at_epoch_end": [3, 8]}, ends
+    assert ends[0]["averaged"] and ends[0]["weights"] == ends[1]["weights"]  # EMAWeightAveraging on both ranks
+    assert ends[0] == ends[1] and ends[0]["step"] == 8 and ends[0]["epoch"] == 2, ends
+    assert ends[0]["steps_at_epoch_end"] == [3, 8], ends

@@ -1,6 +1,7 @@
 """One rank's own code asks to stop (a LightningModule sets trainer.should_stop on rank 1 only, as code reacting to
 its own batch does): every rank must stop at the same agreed step, none left waiting for the others. Before that,
-rank 0 alone returns -1 from on_train_batch_start at the first epoch's 4th batch: every rank ends that epoch there."""
+rank 0 alone returns -1 from on_train_batch_start at the first epoch's 4th batch: every rank ends that epoch there.
+Lightning's EMAWeightAveraging runs along: every rank ends with the same averaged model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import EMAWeightAveraging  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
 import unifit  # noqa: E402
@@ -36,9 +39,22 @@ class StopsOnOneRank(BoringModel):
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     module = StopsOnOneRank()
+    trained = module.layer.weight.detach().clone()
+    averaging = EMAWeightAveraging(decay=0.5)
     state = unifit.Trainer(
-        max_epochs=3, root_dir=str(out / "run"), progress_bar=False, preemption={"check_every_n_steps": 4}
+        max_epochs=3,
+        root_dir=str(out / "run"),
+        progress_bar=False,
+        preemption={"check_every_n_steps": 4},
+        callbacks=[averaging],
     ).fit(module)
+    average = averaging._average_model.module.layer.weight
     rank = int(os.environ.get("RANK", "0"))
-    ends = {"step": state.global_step, "epoch": state.epoch, "steps_at_epoch_end": module.steps_at_epoch_end}
+    ends = {
+        "step": state.global_step,
+        "epoch": state.epoch,
+        "steps_at_epoch_end": module.steps_at_epoch_end,
+        "weights": module.layer.weight.flatten().tolist(),  # the average, copied in at the end (as Lightning)
+        "averaged": bool(torch.equal(module.layer.weight, average)) and not torch.equal(module.layer.weight, trained),
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(ends))

@@ -119,13 +119,19 @@ class LightningHooks(Callback):
             extra["callbacks"] = callbacks
         if self.adapter.datamodule is not None:
             extra["datamodule"] = self.adapter.datamodule.state_dict()
+        extra["state_dict"] = weights = self.lm.state_dict()  # as Lightning's hooks get it (references, no copy)
         self.adapter.callbacks_only("on_save_checkpoint", extra)
         self.lm.on_save_checkpoint(extra)
+        if extra.get("state_dict") is weights:  # unchanged: the engine saves the weights, once
+            del extra["state_dict"]
+        extra.pop("current_model_state", None)  # WeightAveraging's name for them, likewise
         return extra
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.adapter.datamodule is not None and "datamodule" in state:
             self.adapter.datamodule.load_state_dict(state["datamodule"])
+        if "state_dict" in state:  # a callback replaced them (WeightAveraging: the averaged weights); the
+            state = {**state, "current_model_state": self.lm.state_dict()}  # engine restored the trained ones
         self.lm.on_load_checkpoint(state)
         self.adapter.callbacks_only("on_load_checkpoint", state)
         self.adapter.load_callback_state(state.get("callbacks", {}))

@@ -30,10 +30,9 @@ REFUSED = {
     "trainer.batch_size",
     "LearningRateFinder": "tunes the learning rate with trial fits before training; run Lightning's Tuner once and "
     "set the module's lr",
-    "StochasticWeightAveraging": "keeps a second, averaged model that unifit's strategies and checkpoints do not "
-    "carry; average the weights after training, or train without it",
-    "WeightAveraging": "keeps a second, averaged model that unifit's strategies and checkpoints do not carry",
-    "EMAWeightAveraging": "keeps a second, averaged model that unifit's strategies and checkpoints do not carry",
+    "StochasticWeightAveraging": "replaces the Trainer's scheduler configs with SWALR and reruns a data pass through "
+    "Lightning's own fit loop to update BatchNorm; use Lightning's WeightAveraging (or EMAWeightAveraging), which "
+    "unifit runs unchanged",
     "OnExceptionCheckpoint": "a checkpoint needs every rank at a barrier, which the others cannot reach after one "
     "raised; unifit keeps the last committed checkpoint: save often with trainer.checkpoint.every_n_steps "
     "(SIGTERM and SIGINT checkpoint through trainer.preemption)",

@@ -117,6 +117,10 @@ class ModuleBase:
         """unifit Callbacks this module brings along (run after trainer.callbacks, as Lightning's are)."""
         return []
 
+    def evaluation_weights(self, callback_states: dict[str, Any]) -> None:
+        """After a checkpoint's weights were loaded to validate, test or predict with: weights the checkpoint's
+        callbacks hold instead (a LightningModule's, see LightningAdapter); none by default."""
+
     def attach_strategy(self, strategy: Any) -> None:
         """The run's Strategy, once made (a LightningModule's trainer.strategy collectives use it)."""
 

@@ -69,6 +69,7 @@ class FSDPStrategy(DDPStrategy):
     routes_all_steps = True
     # accumulating, FSDP2 keeps unsharded gradients that a validation's gather and reshard would disturb
     validates_mid_accumulation = False
+    shards_parameters = True
     _checkpoint_group: Any = None
     _views: _ViewOutputs | None = None
 

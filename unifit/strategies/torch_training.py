@@ -42,6 +42,9 @@ class TorchTraining:
     # the gradients of an accumulation window are plain tensors in .grad that an evaluation forward leaves alone,
     # so a validation may run inside the window (Lightning's val_check_interval in batches); not under fsdp
     validates_mid_accumulation = True
+    # each rank holds a shard of every parameter (fsdp): code that copies the whole model (Lightning's
+    # WeightAveraging) cannot follow it
+    shards_parameters = False
     # set by the engine when the module has hooks between backward and the step (Lightning's
     # on_before_optimizer_step, configure_gradient_clipping): called with the optimizer once its
     # gradients are averaged and unscaled, in place of clipping by clip_val

@@ -63,6 +63,7 @@ def evaluate(
                     "first, or name a checkpoint directory"
                 )
             engine.load_weights(snapshot.engine)
+            module.evaluation_weights(snapshot.callbacks)
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
         engine.collector.reset()

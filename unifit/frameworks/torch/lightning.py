@@ -85,8 +85,21 @@ class LightningAdapter(TrainModule):
         own = lightning_module.configure_callbacks()  # first, as Lightning's Trainer calls it
         self._own_callbacks: list[Any] = list(own) if isinstance(own, (list, tuple)) else [own] if own else []
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> LightningAdapter:
+        """Not copied: a copy of the LightningModule (WeightAveraging's AveragedModel deep-copies it) keeps its
+        self.log bound to this run, as Lightning's copies keep theirs (the strategy's process groups cannot be
+        copied)."""
+        return self
+
     def attach_strategy(self, strategy: Any) -> None:
         self.view.dist = strategy
+        averaging = [cb for cb in self._running() if derives_from(cb, "WeightAveraging", *LIGHTNING)]
+        if averaging and getattr(strategy, "shards_parameters", False):
+            raise ConfigError(
+                f"trainer.callbacks: Lightning's {type(averaging[0]).__name__} keeps a whole, unsharded copy of the "
+                "model, which a sharded strategy's parameters cannot be averaged into (Lightning's WeightAveraging "
+                "does not support sharding either): use ddp, or average after training"
+            )
 
     # ---- the run's Lightning callbacks ------------------------------------------------------------
     @property
@@ -155,6 +168,13 @@ class LightningAdapter(TrainModule):
 
     def load_state_dict(self, state: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.lightning.load_state_dict(state, strict=strict, assign=assign)
+
+    def evaluation_weights(self, callback_states: dict[str, Any]) -> None:
+        """The weights a Lightning checkpoint evaluates with: its "state_dict", which a callback's on_save_checkpoint
+        may have replaced (WeightAveraging puts the averaged weights there), as Lightning loads it."""
+        replaced = callback_states.get("LightningModule", {}).get("state_dict")
+        if replaced is not None:
+            self.lightning.load_state_dict(replaced)
 
     def setup_stage(self, stage: str) -> None:
         self.stage = stage
