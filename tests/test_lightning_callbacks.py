@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import (
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
+    ModelPruning,
     OnExceptionCheckpoint,
     StochasticWeightAveraging,
     TQDMProgressBar,
@@ -257,9 +258,9 @@ class _TrainModule(unifit.TrainModule):
 @pytest.mark.timeout(120)
 def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
     both = _refused(
-        "StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), OnExceptionCheckpoint(str(tmp_path))]
+        "StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), ModelPruning("l1_unstructured")]
     )
-    assert "OnExceptionCheckpoint" in both and "use Lightning's WeightAveraging" in both
+    assert "ModelPruning" in both and "use Lightning's WeightAveraging" in both
     _refused(
         "sets trainer.checkpoint.keep_last_n, which the config sets to another value",
         callbacks=[ModelCheckpoint(monitor="x")],
@@ -310,6 +311,42 @@ def test_weight_averaging_runs_unchanged_validates_and_resumes_as_lightning(tmp_
     validated = unifit.Trainer(batch_size=8, root_dir=str(tmp_path / "full"), **QUIET).validate(fresh, ckpt_path="last")
     assert validated["val_mse"] == pytest.approx(metrics["val_mse"], rel=1e-6)
     _refused("keeps a whole, unsharded copy of the model", strategy="fsdp", callbacks=[EMAWeightAveraging()])
+
+
+class _FailsAtStep5(Regressor):
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail, self.steps_run = fail, 0
+
+    def training_step(self, batch, batch_idx):
+        if self.fail and self.global_step == 5:
+            raise RuntimeError("boom at step 5")
+        self.steps_run += 1
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(120)
+def test_on_exception_checkpoint_saves_before_the_error_and_resumes_exactly(tmp_path):
+    """OnExceptionCheckpoint beside a ModelCheckpoint: a failure mid-epoch saves on_exception after the last
+    finished batch, and a resume from it ends where the uninterrupted run ends."""
+
+    def fit(root, fail: bool, ckpt_path=None) -> Regressor:
+        torch.manual_seed(0)
+        module = _FailsAtStep5(fail)
+        callbacks = [ModelCheckpoint(dirpath=str(root / "ckpt")), OnExceptionCheckpoint(str(root / "ckpt"))]
+        unifit.Trainer(max_epochs=2, batch_size=8, root_dir=str(root), callbacks=callbacks, **QUIET).fit(
+            module, ckpt_path=ckpt_path
+        )
+        return module
+
+    whole = fit(tmp_path / "whole", fail=False)
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        fit(tmp_path / "failed", fail=True)
+    assert (tmp_path / "failed" / "ckpt" / "on_exception").is_dir()
+    resumed = fit(tmp_path / "failed", fail=False, ckpt_path="last")
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert resumed.seen_at_epoch_end[-1]["step"] == 16 and resumed.steps_run == 16 - 5  # from after step 5
 
 
 @pytest.mark.timeout(120)

@@ -3,6 +3,7 @@ track the best (and the k best) by a monitored metric."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Callable
@@ -13,6 +14,9 @@ from unifit.checkpoint.store import checkpoint_name
 from unifit.config.schema import CheckpointConfig
 from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
+
+log = logging.getLogger("unifit")
+ON_EXCEPTION = "on_exception"  # the checkpoint's name, Lightning's OnExceptionCheckpoint's default filename
 
 
 class ModelCheckpoint(Callback):
@@ -33,6 +37,26 @@ class ModelCheckpoint(Callback):
         if state.epoch % cfg.every_n_epochs and not last:
             return
         self._save(ctx, scored=True)
+
+    def on_exception(self, ctx: Any, error: BaseException) -> None:
+        """checkpoint.save_on_exception: on one process, the state after the last finished batch, saved before
+        the error ends the fit (a failure to save is logged, never raised over the error)."""
+        if not self.config.save_on_exception:
+            return
+        if ctx.world_size > 1:
+            log.warning(
+                "checkpoint.save_on_exception: not saved, since %d ranks cannot all join a checkpoint after one "
+                "failed; resume from the last committed checkpoint (%s)",
+                ctx.world_size,
+                ctx.last_checkpoint or "none yet",
+            )
+            return
+        try:
+            ctx.save_checkpoint(ON_EXCEPTION)
+        except Exception as exc:
+            log.warning("checkpoint.save_on_exception: could not save (%s: %s)", type(exc).__name__, exc)
+            return
+        log.info("checkpoint.save_on_exception: saved %s before the error", ctx.last_checkpoint)
 
     def _save(self, ctx: Any, scored: bool = False) -> None:
         """Save now; `scored`: the checkpoint competes for best and the k best by the monitor."""

@@ -85,10 +85,13 @@ def _keras(callback: Any, plan: CallbackPlan) -> dict[str, Any] | None:
 def _claim(updates: dict[str, Any], config: TrainerConfig, key: str, value: Any) -> None:
     """One callback sets `key` (an option, or a section's options); a second callback setting it, or the config
     setting one of them to another value, is a conflict (the same value twice is not: a saved config runs again)."""
-    if key in updates:
+    earlier = updates.get(key)
+    if key in updates and not (isinstance(earlier, dict) and isinstance(value, dict) and not earlier.keys() & value):
         raise ConfigError(
             f"sets trainer.{key} like another callback before it; unifit keeps one {key} policy: merge them into one"
         )
+    if isinstance(earlier, dict):  # another callback's options of the same section (OnExceptionCheckpoint's)
+        value = {**earlier, **value}
     if key in config.model_fields_set:
         current = getattr(config, key)
         given = current.model_dump(exclude_unset=True) if hasattr(current, "model_dump") else current

@@ -33,9 +33,6 @@ REFUSED = {
     "StochasticWeightAveraging": "replaces the Trainer's scheduler configs with SWALR and reruns a data pass through "
     "Lightning's own fit loop to update BatchNorm; use Lightning's WeightAveraging (or EMAWeightAveraging), which "
     "unifit runs unchanged",
-    "OnExceptionCheckpoint": "a checkpoint needs every rank at a barrier, which the others cannot reach after one "
-    "raised; unifit keeps the last committed checkpoint: save often with trainer.checkpoint.every_n_steps "
-    "(SIGTERM and SIGINT checkpoint through trainer.preemption)",
     "ModelPruning": "re-parametrizes the weights (weight_orig and a mask) during training, which the DDP/FSDP "
     "wrapper made at set-up does not follow; prune before or after the fit",
     "BaseFinetuning": "adds parameter groups to the optimizer during training, after unifit scaled the learning "
@@ -60,8 +57,6 @@ _LOGGED_ALREADY = {
 
 # ---- the mapped callbacks --------------------------------------------------------------------------
 def _model_checkpoint(cb: Any, plan: Any) -> dict[str, Any]:
-    if getattr(cb, "save_on_exception", False):
-        raise ConfigError(f"save_on_exception=True: {REFUSED['OnExceptionCheckpoint']}")
     k, monitor = int(cb.save_top_k), cb.monitor
     if k == 0 and not cb.save_last:
         return {"checkpoint": {"enabled": False}}
@@ -77,6 +72,8 @@ def _model_checkpoint(cb: Any, plan: Any) -> dict[str, Any]:
             "every_n_minutes": _minutes(cb._train_time_interval),
         }
     }
+    if getattr(cb, "save_on_exception", False):
+        updates["checkpoint"]["save_on_exception"] = True
     if cb.dirpath is not None:
         updates["checkpoint"]["dir"] = str(cb.dirpath)
     if getattr(cb, "filename", None):
@@ -84,6 +81,14 @@ def _model_checkpoint(cb: Any, plan: Any) -> dict[str, Any]:
     updates["checkpoint"] = {key: value for key, value in updates["checkpoint"].items() if value is not None}
     plan.reports["checkpoint"] = lambda **facts: _mirror_checkpoint(cb, **facts)
     return updates
+
+
+def _on_exception(cb: Any, plan: Any) -> dict[str, Any]:
+    """The checkpoint goes where the run's others go, named on_exception (Lightning's default filename)."""
+    log.info(
+        "OnExceptionCheckpoint(dirpath=%r): unifit saves it with the run's checkpoints as on_exception", cb.dirpath
+    )
+    return {"checkpoint": {"save_on_exception": True}}
 
 
 def _mirror_checkpoint(cb: Any, last_path: str, best_path: str | None, best_value: Any, best_k: dict) -> None:
@@ -155,6 +160,7 @@ def _minutes(interval: timedelta | None) -> float | None:
 # Lightning's class name -> the updates to the trainer config it becomes (none: nothing to do)
 MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "ModelCheckpoint": _model_checkpoint,
+    "OnExceptionCheckpoint": _on_exception,
     "EarlyStopping": _early_stopping,
     "Timer": _timer,
     "GradientAccumulationScheduler": _accumulation,

@@ -58,6 +58,10 @@ class CheckpointConfig(_Strict):
         3,
         description="Keep this many newest checkpoints (the best one and the one resumed from are never deleted); null keeps all.",
     )
+    save_on_exception: bool = Field(
+        False,
+        description="When training fails with an error on one process, first save a checkpoint named on_exception (resumable from the last finished batch; Lightning's OnExceptionCheckpoint). With several ranks the others cannot join a checkpoint's barrier: a warning, and the last committed checkpoint stays the one to resume from.",
+    )
     monitor: str | None = Field(None, description="Metric that picks the 'best' checkpoint, e.g. val/acc.")
     mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher `monitor` value is better.")
     keep_best_k: PositiveInt = Field(

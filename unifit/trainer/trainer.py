@@ -153,10 +153,12 @@ class Trainer:
             run.checkpoints.wait()  # the last checkpoint is committed before fit ends
             dispatch(Event.FIT_END)
         except BaseException as error:
-            if self._run is not None:
-                self._run.checkpoints.finish_after(error)
-            if dispatch is not None:
-                dispatch(Event.EXCEPTION, error)
+            try:
+                if dispatch is not None:  # may save a checkpoint (checkpoint.save_on_exception)
+                    dispatch(Event.EXCEPTION, error)
+            finally:
+                if self._run is not None:
+                    self._run.checkpoints.finish_after(error)
             raise
         finally:
             try:
