@@ -489,8 +489,9 @@ def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:
     if several_ok:
         if mode not in (None, "sequential"):
             raise ConfigError(
-                f"{what} returned CombinedLoader(mode={mode!r}); Lightning evaluates loaders one after another "
-                "(mode='sequential'): return the list of loaders"
+                f"{what} returned CombinedLoader(mode={mode!r}); unifit evaluates several loaders one after "
+                "another (Lightning's default, mode='sequential'), and combined evaluation batches are not built: "
+                "return the list of loaders"
             )
         return items[0] if len(items) == 1 else Several(items)
     return Combined(items, keys, mode or "max_size_cycle", what)
