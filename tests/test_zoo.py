@@ -5,7 +5,8 @@ authors wrote them (LightningModules, their own DataLoaders), and modules that t
 tests/zoo/own_step_models.py), Lightning's GLUE tutorial module, which logs its metrics in on_validation_epoch_end
 (tests/zoo/logging_models.py), a class-imbalanced data module rebalanced by its own WeightedRandomSampler, and a
 classifier that brings its own Lightning callbacks (tests/zoo/callback_models.py), a classifier fed by two training
-loaders at once (a dict, Lightning's CombinedLoader),
+loaders at once (a dict, Lightning's CombinedLoader), a backbone unfrozen mid-training by Lightning's
+BackboneFinetuning,
 trained by unifit under every torch strategy in several precisions. One launch per strategy runs the whole zoo in one interpreter per rank (tests/zoo/run_torch_zoo.py).
 
 What must hold, model by model:
@@ -46,6 +47,7 @@ MODELS = (
     "callbacks",
     "imbalanced",
     "two-sources",
+    "finetuning",
 )
 SAMPLED = {"imbalanced"}  # a WeightedRandomSampler of the user's: drawn unlike Lightning, and per world size
 MANUAL = {"manual-boring", "gan"}  # trained without accumulation everywhere (refused with manual optimization)

@@ -6,6 +6,8 @@
   clipped with `self.clip_gradients`, the generator's StepLR stepped by hand at the epoch's end;
 - `TwoSourcesClassifier` on `TwoSourcesData`: two training loaders of different sizes in one step (a dict, which
   Lightning combines "max_size_cycle");
+- `FinetunedClassifier`: a backbone frozen, then unfrozen at the second epoch by Lightning's BackboneFinetuning (a
+  param group added to the optimizer mid-training);
 - `BalancedClassifier` on `ImbalancedData`: a class-imbalanced data module whose DataLoader rebalances with a
   `WeightedRandomSampler`;
 - `HookedClassifier`: automatic optimization with the hooks inside the step: `on_before_backward`,
@@ -263,7 +265,34 @@ class TwoSourcesClassifier(Classifier):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class FinetunedClassifier(L.LightningModule):
+    """Transfer learning as Lightning's docs teach it: a backbone frozen by BackboneFinetuning (from
+    configure_callbacks()) and unfrozen at the second epoch, when the callback adds its param group to the
+    optimizer; the optimizer takes the trainable parameters only."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.Tanh())
+        self.head = torch.nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.head(self.backbone(x)), y)
+        self.log("train_ce", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=self.hparams.lr, momentum=0.9)
+
+    def configure_callbacks(self) -> Any:
+        from lightning.pytorch.callbacks import BackboneFinetuning
+
+        return [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+
+
 MODELS = {
+    "finetuning": (lambda b: (FinetunedClassifier(), ClassData(b)), False),
     "two-sources": (lambda b: (TwoSourcesClassifier(), TwoSourcesData(b)), False),
     "gan": (lambda b: (GAN(), GANData(b)), False),
     "hooks": (lambda b: (HookedClassifier(), ClassData(b)), False),

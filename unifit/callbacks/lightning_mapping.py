@@ -35,12 +35,6 @@ REFUSED = {
     "unifit runs unchanged",
     "ModelPruning": "re-parametrizes the weights (weight_orig and a mask) during training, which the DDP/FSDP "
     "wrapper made at set-up does not follow; prune before or after the fit",
-    "BaseFinetuning": "adds parameter groups to the optimizer during training, after unifit scaled the learning "
-    "rates and the strategy wrapped the model; unfreeze in configure_optimizers' param groups with lr 0 and a "
-    "LambdaLR that raises them instead",
-    "BackboneFinetuning": "adds parameter groups to the optimizer during training, after unifit scaled the learning "
-    "rates and the strategy wrapped the model; unfreeze in configure_optimizers' param groups with lr 0 and a "
-    "LambdaLR that raises them instead",
     "DeviceStatsMonitor": "reads device statistics through Lightning's accelerator and loggers; log "
     "torch.cuda.memory_allocated() from a callback instead",
     "BasePredictionWriter": "writes each rank's predictions by batch indices from Lightning's predict loop; unifit "

@@ -169,14 +169,15 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
                 dist.broadcast(tensor, src=0)
         return step_module, optimizers
 
-    def average_gradients(self, optimizer: Any) -> None:
+    def average_gradients(self, optimizer: Any, parameters: list[Any] | None = None) -> None:
         """One all-reduce per dtype over the optimizer's gradients, flattened (DDP's buckets, in one)."""
         if not self._group_ready():
             return
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = parameters if parameters is not None else [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
             flat = _flatten_dense_tensors(same)

@@ -133,8 +133,13 @@ class FSDPStrategy(DDPStrategy):
                 _follow_shards(optimizer, before, step_module)
         return wrapped, optimizers
 
-    def average_gradients(self, optimizer: Any) -> None:
-        """Nothing to do: backward reduce-scattered each gradient into its averaged shard."""
+    def late_gradients(self, optimizer: Any) -> list[Any]:
+        """None: FSDP2 reduce-scatters the gradient of every parameter that has one, unfrozen later or not."""
+        return []
+
+    def average_gradients(self, optimizer: Any, parameters: list[Any] | None = None) -> None:
+        """Nothing to do: backward reduce-scattered each gradient into its averaged shard (a parameter unfrozen
+        after set-up too: FSDP2 reduces whichever parameters have a gradient)."""
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         opts = self.options

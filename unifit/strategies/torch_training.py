@@ -49,6 +49,9 @@ class TorchTraining:
     # on_before_optimizer_step, configure_gradient_clipping): called with the optimizer once its
     # gradients are averaged and unscaled, in place of clipping by clip_val
     gradient_hooks: Callable[[Any], None] | None = None
+    _synced: frozenset[int] | set[int] = frozenset()  # see setup_module_and_optimizer and late_gradients
+    _late_key: tuple[int, ...] = ()
+    _late: list[Any] = []
 
     def setup_module_and_optimizer(
         self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
@@ -57,6 +60,10 @@ class TorchTraining:
         `step_module.module` is the user's module, already on `device` with rank 0's initial state
         wherever the strategy broadcasts it."""
         self.precision = precision
+        # what the wrappers below average: the optimizer's trainable parameters now (DDP's reducer and Horovod's
+        # hooks are made once); see late_gradients for the others
+        self._synced = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        self._late_key, self._late = (), []
         wrapped = self.wrap_module(step_module, device)
         return wrapped, self.wrap_optimizer(optimizer, step_module.module, accumulate)
 
@@ -86,9 +93,22 @@ class TorchTraining:
 
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
+    def late_gradients(self, optimizer: Any) -> list[Any]:
+        """The optimizer's parameters with a gradient that the wrapper made at set-up does not average: added to it
+        later or unfrozen after (Lightning's BaseFinetuning unfreezes a backbone and adds its param group
+        mid-training). They are averaged by hand before the step (average_gradients)."""
+        key = tuple(len(group["params"]) for group in optimizer.param_groups)
+        if key != self._late_key:  # a param group was added: look again (a few integers per step otherwise)
+            self._late_key = key
+            self._late = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in self._synced]
+        return [p for p in self._late if p.grad is not None]
+
     def optimizer_step(self, optimizer: Any, module: Any, clip_val: float | None) -> None:
         """Average gradients, clip the true (unscaled) ones, step through the precision, zero grads."""
         precision = self.precision
+        late = self.late_gradients(optimizer)
+        if late:
+            self.average_gradients(optimizer, late)
         with self.synchronized_gradients(optimizer):
             if self.gradient_hooks is not None:
                 precision.unscale(optimizer)
@@ -112,9 +132,9 @@ class TorchTraining:
         self.precision = precision
         return step_module, optimizers
 
-    def average_gradients(self, optimizer: Any) -> None:
-        """Average the gradients of `optimizer`'s parameters over the ranks (manual optimization;
-        one process: nothing to do)."""
+    def average_gradients(self, optimizer: Any, parameters: list[Any] | None = None) -> None:
+        """Average the gradients of `optimizer`'s parameters (or of `parameters`) over the ranks (manual
+        optimization, late_gradients; one process: nothing to do)."""
 
     def manual_step(self, optimizer: Any, before_step: Callable[[Any], None]) -> None:
         """One optimizer's step in manual optimization: gradients averaged, unscaled, then

@@ -71,6 +71,7 @@ class TorchEngine(TorchEvaluation, Engine):
     _forward: Any  # training_step, through the wrapper (and torch.compile) where needed
     _validate: Any
     _plain: bool  # the strategy's default step in full precision: the fast path
+    _plain_groups: int  # the optimizer's param groups when the fast path was chosen
     _steps: int  # optimizer steps taken
     _epoch: int  # the epoch being trained (the step hooks' argument)
     _epochs_done: int
@@ -231,7 +232,10 @@ class TorchEngine(TorchEvaluation, Engine):
                 getattr(type(training), hook) is getattr(TorchTraining, hook)
                 for hook in ("backward", "synchronized_gradients", "optimizer_step")
             )
+            # a frozen parameter in the optimizer may be unfrozen later: the strategy's step averages it then
+            and all(p.requires_grad for group in self.optimizer.param_groups for p in group["params"])
         )
+        self._plain_groups = len(self.optimizer.param_groups)  # one added later (finetuning): the strategy's step
         # samples per batch, known at set-up (a batch sampler of the user's may vary them: read from each batch)
         self._sizes: tuple[int, int] | None = (
             (cfg.batch_size,) * 2
@@ -363,6 +367,8 @@ class TorchEngine(TorchEvaluation, Engine):
             scheduled = [group["lr"] for group in optimizer.param_groups]
             for group, lr in zip(optimizer.param_groups, scheduled):
                 group["lr"] = lr * ramp
+        if self._plain and len(optimizer.param_groups) != self._plain_groups:
+            self._plain = False  # a param group added mid-training: its gradients need the strategy's averaging
         if not taken:
             pass
         elif self._plain:
@@ -473,6 +479,7 @@ class TorchEngine(TorchEvaluation, Engine):
         return {
             **self.training.training_state(self.module, self._optimizer_state_target()),  # (shards, where sharded)
             "schedulers": [s.scheduler.state_dict() for s in self.schedules],
+            "param_groups": self._param_group_names(),
             **self._manual_state(),
             "optimizer_steps": self._steps,
             "epochs_done": self._epochs_done,
@@ -482,6 +489,7 @@ class TorchEngine(TorchEvaluation, Engine):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restore_param_groups(state.get("param_groups", []))
         self.training.load_training_state(
             self.module, self._optimizer_state_target(), state, self.config.storage_options
         )
@@ -506,6 +514,23 @@ class TorchEngine(TorchEvaluation, Engine):
                 saved_factor,
                 self.policy.factor,
             )
+
+    def _param_group_names(self) -> list[list[list[str]]]:
+        """Each optimizer's param groups as parameter names: a group added during training (a finetuning callback
+        unfreezing a backbone) is made again before a resume loads the optimizer's state."""
+        names = {id(p): name for name, p in self.module.state_module.named_parameters()}
+        return [[[names.get(id(p), "") for p in g["params"]] for g in o.param_groups] for o in self.optimizers]
+
+    def _restore_param_groups(self, saved: list[list[list[str]]]) -> None:
+        """The groups a checkpoint's optimizers had beyond the ones configure_optimizers() makes, their parameters
+        trainable again (the hyperparameters come with the optimizer's state, loaded next)."""
+        named = dict(self.module.state_module.named_parameters())
+        for optimizer, groups in zip(self.optimizers, saved):
+            for names in groups[len(optimizer.param_groups) :]:
+                params = [named[name] for name in names]
+                for param in params:
+                    param.requires_grad_(True)
+                optimizer.add_param_group({"params": params})
 
     def _is_manual(self) -> bool:
         return self.seams.manual

@@ -128,6 +128,10 @@ class LightningAdapter(TrainModule):
         for callback in self._running():
             if callback.state_key in states:
                 callback.load_state_dict(states[callback.state_key])
+                if derives_from(callback, "BaseFinetuning", *LIGHTNING):
+                    # unifit's checkpoint restored the optimizer's param groups already, with their current
+                    # learning rates; Lightning's on_fit_start would set them again from older ones it keeps
+                    callback._restarting = False
 
     def _running(self) -> list[Any]:
         return list(dict.fromkeys(cb for listeners in self._listeners.values() for cb in listeners))

@@ -41,13 +41,17 @@ class TorchHorovod(TorchTraining, Binding):
         with self.strategy.collective("broadcast of the initial parameters"):
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         compression = hvd.Compression.fp16 if self.strategy.options.compression == "fp16" else hvd.Compression.none
-        return hvd.DistributedOptimizer(
+        wrapped = hvd.DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
             op=hvd.Average,
             backward_passes_per_step=accumulate,
             compression=compression,
         )
+        # Horovod rebuilds the optimizer from its param groups with the class's defaults (SGD: momentum 0):
+        # a group added later (add_param_group, a finetuning callback) must get the user's defaults instead
+        wrapped.defaults = dict(optimizer.defaults)
+        return wrapped
 
     def setup_manual(
         self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
@@ -60,11 +64,12 @@ class TorchHorovod(TorchTraining, Binding):
                 self.strategy.hvd.broadcast_parameters(step_module.state_dict(), root_rank=0)
         return step_module, optimizers
 
-    def average_gradients(self, optimizer: Any) -> None:
+    def average_gradients(self, optimizer: Any, parameters: list[Any] | None = None) -> None:
         if self.strategy.world_size == 1:
             return
         hvd = self.strategy.hvd
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = parameters if parameters is not None else [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
         with self.strategy.collective("gradient allreduce"):
             averaged = hvd.grouped_allreduce(grads, op=hvd.Average)
         for grad, value in zip(grads, averaged):
