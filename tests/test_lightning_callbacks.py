@@ -9,7 +9,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
-    BasePredictionWriter,
     EarlyStopping,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
@@ -231,10 +230,6 @@ def test_callback_state_is_checkpointed_and_the_logger_is_tensorboards(tmp_path)
     assert [e.value for e in events.Scalars("batches_seen")][-1] == 24
 
 
-class _Writer(BasePredictionWriter):
-    def write_on_batch_end(self, *args, **kwargs) -> None: ...
-
-
 class _EarlyStoppingWithHook(EarlyStopping):
     def on_validation_end(self, trainer, pl_module) -> None:
         print("custom")
@@ -266,7 +261,6 @@ def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
         callbacks=[ModelCheckpoint(monitor="x")],
         checkpoint={"keep_last_n": 2},
     )
-    _refused("writes each rank's predictions by batch indices", callbacks=[_Writer("batch")])
     _refused(
         "sets trainer.checkpoint like another callback",
         callbacks=[ModelCheckpoint(), ModelCheckpoint(every_n_train_steps=5)],
@@ -467,3 +461,44 @@ def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
     assert ends[0]["averaged"] and ends[0]["weights"] == ends[1]["weights"]  # EMAWeightAveraging on both ranks
     assert ends[0] == ends[1] and ends[0]["step"] == 8 and ends[0]["epoch"] == 2, ends
     assert ends[0]["steps_at_epoch_end"] == [3, 8], ends
+
+
+def _writers_output(out) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """Every sample's prediction by dataset index, from the epoch writer's files, and the batch writer's indices."""
+    by_index: dict[int, torch.Tensor] = {}
+    for predictions in sorted(out.glob("predictions_*.pt")):
+        indices = torch.load(str(predictions).replace("predictions_", "batch_indices_"))
+        for batch, batch_indices in zip(torch.load(predictions), indices[0]):
+            for row, index in zip(batch, batch_indices):
+                assert index not in by_index, f"sample {index} predicted twice"
+                by_index[index] = row
+    batched = sorted(i for f in out.glob("b*_r*.pt") for i in torch.load(f)["indices"])
+    return by_index, batched
+
+
+@pytest.mark.timeout(200)
+def test_prediction_writers_write_each_ranks_predictions_by_dataset_index(tmp_path):
+    from tests.helpers import assert_ok, run_unifit
+    from tests.probe.prediction_writer import BatchWriter, EpochWriter, model_and_data
+
+    theirs = tmp_path / "lightning"
+    theirs.mkdir()
+    model, loader = model_and_data()
+    _lightning(callbacks=[EpochWriter(str(theirs)), BatchWriter(str(theirs))]).predict(
+        model, loader, return_predictions=False
+    )
+    expected, _ = _writers_output(theirs)
+    assert sorted(expected) == list(range(21))
+    for ranks in (1, 2):
+        ours = tmp_path / f"unifit{ranks}"
+        ours.mkdir()
+        result = run_unifit(
+            "launch", "--nproc-per-node", str(ranks), "--strategy", "ddp", "--",
+            "tests/probe/prediction_writer.py", str(ours), timeout=150,
+        )  # fmt: skip
+        assert_ok(result)
+        got, batched = _writers_output(ours)
+        assert len(list(ours.glob("predictions_*.pt"))) == ranks and batched == list(range(21))
+        assert sorted(got) == list(range(21))
+        for index, row in got.items():
+            torch.testing.assert_close(row, expected[index], rtol=1e-6, atol=1e-6)

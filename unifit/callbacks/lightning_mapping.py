@@ -37,9 +37,6 @@ REFUSED = {
     "wrapper made at set-up does not follow; prune before or after the fit",
     "DeviceStatsMonitor": "reads device statistics through Lightning's accelerator and loggers; log "
     "torch.cuda.memory_allocated() from a callback instead",
-    "BasePredictionWriter": "writes each rank's predictions by batch indices from Lightning's predict loop; unifit "
-    "gathers every rank's predictions on rank 0 in dataset order: Trainer.predict returns them, and "
-    "`unifit predict --output FILE` writes them",
 }
 _PROGRESS_BARS = ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
 _LOGGED_ALREADY = {

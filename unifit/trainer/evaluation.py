@@ -42,8 +42,10 @@ def evaluate(
     data: Any = None,
     ckpt_path: str | None = None,
     callbacks: list[Any] | None = None,
+    keep_predictions: bool = True,
 ) -> Evaluation:
-    """`callbacks`: the Trainer's Lightning callbacks (their hooks of this stage run around the module's)."""
+    """`callbacks`: the Trainer's Lightning callbacks (their hooks of this stage run around the module's);
+    `keep_predictions=False`: predictions are not gathered to rank 0 (a prediction writer saves each rank's)."""
     if stage not in STAGES:
         raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
     prepared = prepare(config, module, data, callbacks)
@@ -72,9 +74,9 @@ def evaluate(
         kept: dict[int, list[Any]] = {}  # loader -> its samples' outputs, in this rank's order
         for batch_idx, batch in enumerate(engine.eval_batches()):
             outputs = engine.eval_step(batch, batch_idx)
-            if stage == "predict":
+            if stage == "predict" and keep_predictions:
                 kept.setdefault(engine.eval_loader, []).extend(engine.unbatch(outputs))
-        if stage == "predict":
+        if stage == "predict" and keep_predictions:
             ordered = [_in_dataset_order(strategy, engine, kept.get(i, []), i) for i in range(engine.eval_loader_count)]
             result.predictions = ordered[0] if len(ordered) == 1 else ordered  # several loaders: a list, as Lightning
         else:

@@ -204,14 +204,26 @@ class Trainer:
         datamodule: Any = None,
         *,
         dataloaders: Any = None,
+        return_predictions: bool | None = None,
     ) -> Any:
         """predict_step over predict_dataset(), sharded over the ranks; on rank 0 every sample's
-        output once, in dataset order (None on the other ranks)."""
-        return self._evaluate("predict", module, data, ckpt_path, datamodule, dataloaders).predictions
+        output once, in dataset order (None on the other ranks). `return_predictions=False` (as Lightning's,
+        with a prediction writer that saves each rank's own): nothing is gathered, None is returned."""
+        keep = return_predictions is not False
+        return self._evaluate("predict", module, data, ckpt_path, datamodule, dataloaders, keep).predictions
 
-    def _evaluate(self, stage: str, module: Any, data: Any, ckpt_path: Any, datamodule: Any, dataloaders: Any) -> Any:
+    def _evaluate(
+        self,
+        stage: str,
+        module: Any,
+        data: Any,
+        ckpt_path: Any,
+        datamodule: Any,
+        dataloaders: Any,
+        keep_predictions: bool = True,
+    ) -> Any:
         data, ckpt_path = passed_data(stage, data, ckpt_path, datamodule, **{STAGE_SLOT[stage]: dataloaders})
-        return evaluate(self.config, stage, module, data, ckpt_path, self.foreign_callbacks)
+        return evaluate(self.config, stage, module, data, ckpt_path, self.foreign_callbacks, keep_predictions)
 
     def save_checkpoint(
         self, name: str | None = None, after_commit: Callable[[CheckpointStore, str], None] | None = None

@@ -36,6 +36,7 @@ class TorchEvaluation:
     _move: bool
     _transfer: Any  # the module's way of moving a batch to the device: (batch, dataloader_idx) -> batch, or None
     _position: tuple[int, ...] = (0,)  # the current evaluation batch's (batch_idx, [dataloader_idx])
+    _indices: list[list[list[int]]] | None = None  # per loader, per batch: the dataset indices (see setup_evaluation)
 
     def setup_evaluation(self, stage: str) -> None:
         cfg, strategy = self.config, self.strategy
@@ -68,6 +69,12 @@ class TorchEvaluation:
             for each in several
         ]
         self._limit = cfg.limit_val_batches if stage == "validate" else None
+        # each batch's dataset indices, for a module that records them (a LightningModule's prediction writers)
+        self._indices = (
+            [user_loaders.shard_batches(loader) for loader in self.eval_loaders]
+            if stage == "predict" and getattr(self.module, "records_batch_indices", False)
+            else None
+        )
         self._same_weights_everywhere()
 
     def _same_weights_everywhere(self) -> None:
@@ -121,6 +128,8 @@ class TorchEvaluation:
     def eval_step(self, batch: Any, batch_idx: int) -> Any:
         """As validation_step: the position within the batch's loader (and which loader)."""
         self.collector.batch_count = tdata.batch_size_of(batch)
+        if self._indices is not None:
+            self.module.batch_indices = self._indices[self.eval_loader][self._position[0]]
         with torch.no_grad(), self.precision.autocast():
             return self._eval_step(batch, *self._position)
 

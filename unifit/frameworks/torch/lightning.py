@@ -79,6 +79,7 @@ class LightningAdapter(TrainModule):
         self._scope: str | None = None  # where self.log is called from: "step", "epoch" or elsewhere (None)
         self._prepared = False
         self._step_output: Any = None  # what training_step returned, until on_train_batch_end
+        self.batch_indices: list[int] = []  # the dataset indices of the batch being predicted (records_batch_indices)
         self.stage = "fit"
         self.hooks: list[Any] = []
         self._listeners: dict[str, list[Any]] = {}  # hook name -> the run's Lightning callbacks that define it
@@ -330,16 +331,25 @@ class LightningAdapter(TrainModule):
         finally:
             self._loader_idx = None
 
+    @property
+    def records_batch_indices(self) -> bool:
+        """A prediction writer runs: the engine gives each predicted batch's dataset indices (batch_indices)."""
+        return any(derives_from(cb, "BasePredictionWriter", *LIGHTNING) for cb in self._running())
+
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         more = () if dataloader_idx is None else (dataloader_idx,)  # with several loaders, as Lightning passes it
         self.fan_out("on_predict_batch_start", batch, batch_idx, *more)
         out = self.lightning.predict_step(batch, batch_idx, *more)
+        if self.records_batch_indices:  # what Lightning's predict loop keeps for its prediction writers
+            self.view.predict_loop.record(dataloader_idx or 0, self.batch_indices, out)
         self.fan_out("on_predict_batch_end", out, batch, batch_idx, *more)
         return out
 
     def on_evaluation_start(self, stage: str) -> None:
         """Lightning's order: on_<stage>_start, on_<stage>_epoch_start (validate: 'validation')."""
         self.view.training, self.view.stage = False, stage
+        if stage == "predict":
+            self.view.predict_loop.reset()
         name = _HOOK_STAGE[stage]
         log = stage != "predict"  # Lightning allows self.log in the validation and test hooks only
         self._call_in("epoch" if log else None, self.fan_out, f"on_{name}_start")

@@ -67,7 +67,44 @@ TRAINER_FACTS = (
     "log_dir",
     "strategy",
     "precision_plugin",
+    "predict_loop",
 )
+
+
+class PredictLoopView:
+    """`trainer.predict_loop` as Lightning's prediction writers (BasePredictionWriter) read it: this rank's
+    predictions and each batch's dataset indices, by loader."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.current_batch_indices: list[int] = []
+        self.epoch_batch_indices: list[list[list[int]]] = []  # loaders x batches x samples
+        self._predictions: list[list[Any]] = []  # loaders x batches
+
+    def record(self, loader: int, indices: list[int], outputs: Any) -> None:
+        while len(self._predictions) <= loader:
+            self._predictions.append([])
+            self.epoch_batch_indices.append([])
+        self.current_batch_indices = list(indices)
+        self.epoch_batch_indices[loader].append(list(indices))
+        self._predictions[loader].append(_on_cpu(outputs))
+
+    @property
+    def predictions(self) -> list[Any]:
+        """One loader's list of batch outputs, or a list of them per loader (Lightning's)."""
+        return self._predictions[0] if len(self._predictions) == 1 else self._predictions
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
 
 
 class NotOffered(ConfigError, AttributeError):
@@ -87,6 +124,7 @@ class TrainerView:
         self.callbacks: list[Any] = []  # the Lightning callbacks of this run (run as they are, or mapped)
         self.strategy = _StrategyView(self)
         self.precision_plugin = _PrecisionView(self)
+        self.predict_loop = PredictLoopView()
         self.logger: Any = None  # set by the adapter once the fit's config is known (TensorBoard, rank 0)
         self.gradient_clip_algorithm = None
         self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts

@@ -156,6 +156,15 @@ def shard_indices(loader: DataLoader) -> list[int]:
     return list(sampling.indices)
 
 
+def shard_batches(loader: DataLoader) -> list[list[int]]:
+    """The dataset indices of each batch an evaluation loader gives this rank, in order (what Lightning's
+    prediction writers receive as batch_indices), known from the sampling without loading anything."""
+    if isinstance(loader.batch_sampler, ShardedBatchSampler):
+        return [list(batch) for batch in loader.batch_sampler._share()]
+    indices, size = shard_indices(loader), loader.batch_size or 1
+    return [list(indices[i : i + size]) for i in range(0, len(indices), size)]
+
+
 def _own_batch_sampler(loader: DataLoader) -> bool:
     return loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler
 
