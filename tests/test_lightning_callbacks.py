@@ -5,10 +5,13 @@ ddp / fsdp / smddp-like / horovod the zoo's callback module (tests/zoo/callback_
 
 from __future__ import annotations
 
+import json
+
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
+    BatchSizeFinder,
     EarlyStopping,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
@@ -252,10 +255,8 @@ class _TrainModule(unifit.TrainModule):
 
 @pytest.mark.timeout(120)
 def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
-    both = _refused(
-        "StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), ModelPruning("l1_unstructured")]
-    )
-    assert "ModelPruning" in both and "use Lightning's WeightAveraging" in both
+    both = _refused("StochasticWeightAveraging", callbacks=[StochasticWeightAveraging(0.1), BatchSizeFinder()])
+    assert "BatchSizeFinder" in both and "use Lightning's WeightAveraging" in both
     _refused(
         "sets trainer.checkpoint.keep_last_n, which the config sets to another value",
         callbacks=[ModelCheckpoint(monitor="x")],
@@ -502,3 +503,46 @@ def test_prediction_writers_write_each_ranks_predictions_by_dataset_index(tmp_pa
         assert sorted(got) == list(range(21))
         for index, row in got.items():
             torch.testing.assert_close(row, expected[index], rtol=1e-6, atol=1e-6)
+
+
+def _pruned(root, epochs: int, ckpt_path: str | None = None, lottery: bool = True) -> tuple[Regressor, dict]:
+    torch.manual_seed(0)
+    module = Regressor()
+    # every epoch's end, permanent at the end; lottery tickets: the pruned weights' survivors reset to their start
+    pruning = ModelPruning("l1_unstructured", amount=0.3, use_lottery_ticket_hypothesis=lottery)
+    trainer = unifit.Trainer(max_epochs=epochs, batch_size=8, root_dir=str(root), callbacks=[pruning], **QUIET)
+    return module, trainer.fit(module, ckpt_path=ckpt_path).metrics
+
+
+@pytest.mark.timeout(200)
+def test_model_pruning_runs_as_lightning_resumes_with_its_masks_and_agrees_over_ranks(tmp_path):
+    from tests.helpers import assert_ok, run_unifit
+
+    torch.manual_seed(0)
+    theirs = Regressor()
+    _lightning(max_epochs=3, callbacks=[ModelPruning("l1_unstructured", amount=0.3)]).fit(theirs)
+    ours, metrics = _pruned(tmp_path / "full", 3)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert (ours.net[0].weight == 0).float().mean() > 0.5  # pruned 3 times by 30 %
+    # the start the lottery ticket resets to is in no checkpoint (Lightning's neither): resumed without it
+    whole, _ = _pruned(tmp_path / "whole", 3, lottery=False)
+    _pruned(tmp_path / "part", 2, lottery=False)
+    resumed, _ = _pruned(tmp_path / "part", 3, ckpt_path="last", lottery=False)  # its masks come back with it
+    for key, value in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    torch.manual_seed(0)  # an unpruned module evaluates the checkpoint's pruned weights
+    validated = unifit.Trainer(batch_size=8, root_dir=str(tmp_path / "full"), **QUIET).validate(
+        Regressor(), ckpt_path="last"
+    )
+    assert validated["val_mse"] == pytest.approx(
+        unifit.Trainer(batch_size=8, root_dir=str(tmp_path / "v"), **QUIET).validate(ours)["val_mse"], rel=1e-6
+    )
+    _refused("re-parametrizes whole weights", strategy="fsdp", callbacks=[ModelPruning("l1_unstructured")])
+    result = run_unifit(
+        "launch", "--nproc-per-node", "2", "--strategy", "ddp", "--", "tests/probe/pruning_ranks.py", str(tmp_path),
+        timeout=150,
+    )  # fmt: skip
+    assert_ok(result)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["zeros"] > 0, ranks

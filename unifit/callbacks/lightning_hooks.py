@@ -33,6 +33,7 @@ class LightningEpochEnds(Callback):
     def _epoch_end(self, ctx: Any, hook: str) -> None:
         """Every rank calls the hook, so every rank reduces (a collective, only for a module that has the hook)."""
         self.adapter.call_epoch_hook(hook)
+        self.adapter.agree_on_pruning()  # where Lightning's ModelPruning prunes
         if self.adapter.overrides(hook) or self.adapter.listens(hook):
             ctx.state.metrics.update(ctx.reduce_logged())
 

@@ -33,8 +33,6 @@ REFUSED = {
     "StochasticWeightAveraging": "replaces the Trainer's scheduler configs with SWALR and reruns a data pass through "
     "Lightning's own fit loop to update BatchNorm; use Lightning's WeightAveraging (or EMAWeightAveraging), which "
     "unifit runs unchanged",
-    "ModelPruning": "re-parametrizes the weights (weight_orig and a mask) during training, which the DDP/FSDP "
-    "wrapper made at set-up does not follow; prune before or after the fit",
     "DeviceStatsMonitor": "reads device statistics through Lightning's accelerator and loggers; log "
     "torch.cuda.memory_allocated() from a callback instead",
 }

@@ -18,7 +18,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
-from unifit.frameworks.torch import combined, iterable, user_loaders
+from unifit.frameworks.torch import combined, iterable, pruning, user_loaders
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
@@ -489,6 +489,7 @@ class TorchEngine(TorchEvaluation, Engine):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        pruning.prune_like(self.module.state_module, state.get("model", {}))  # a pruned model's masks, resumed
         self._restore_param_groups(state.get("param_groups", []))
         self.training.load_training_state(
             self.module, self._optimizer_state_target(), state, self.config.storage_options

@@ -13,7 +13,7 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch import iterable, user_loaders
+from unifit.frameworks.torch import iterable, pruning, user_loaders
 from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
@@ -96,7 +96,10 @@ class TorchEvaluation:
         self.strategy.copy_from_rank_zero({k: v for k, v in owner.state_dict().items() if k in names})
 
     def load_weights(self, state: dict[str, Any]) -> None:
-        """The checkpoint's model, whole on every rank (one written sharded by fsdp is read whole too)."""
+        """The checkpoint's model, whole on every rank (one written sharded by fsdp is read whole too); a pruned
+        model's weights folded for a module built unpruned (frameworks/torch/pruning.py)."""
+        if "model" in state:
+            state = {**state, "model": pruning.folded(self.module.state_module, state["model"])}
         self.training.load_training_state(self.module, None, state, self.config.storage_options)
 
     def eval_batches(self) -> Iterator[Any]:

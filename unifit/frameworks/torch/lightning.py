@@ -36,6 +36,15 @@ _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_a
 _CALLBACK_STEP_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
+# Lightning callbacks that need the whole model on every rank, refused under a sharded strategy (fsdp)
+_WHOLE_MODEL_CALLBACKS = {
+    "WeightAveraging": "keeps a whole, unsharded copy of the model, which a sharded strategy's parameters cannot be "
+    "averaged into (Lightning's WeightAveraging does not support sharding either): use ddp, or average after training",
+    "ModelPruning": "re-parametrizes whole weights (weight_orig and a mask), which fsdp's sharded parameters are not: "
+    "use ddp, or prune before or after training",
+}
+
+
 def is_lightning_module(obj: Any) -> bool:
     return derives_from(obj, "LightningModule", *LIGHTNING)
 
@@ -94,13 +103,22 @@ class LightningAdapter(TrainModule):
 
     def attach_strategy(self, strategy: Any) -> None:
         self.view.dist = strategy
-        averaging = [cb for cb in self._running() if derives_from(cb, "WeightAveraging", *LIGHTNING)]
-        if averaging and getattr(strategy, "shards_parameters", False):
-            raise ConfigError(
-                f"trainer.callbacks: Lightning's {type(averaging[0]).__name__} keeps a whole, unsharded copy of the "
-                "model, which a sharded strategy's parameters cannot be averaged into (Lightning's WeightAveraging "
-                "does not support sharding either): use ddp, or average after training"
-            )
+        if not getattr(strategy, "shards_parameters", False):
+            return
+        for kind, reason in _WHOLE_MODEL_CALLBACKS.items():
+            found = [cb for cb in self._running() if derives_from(cb, kind, *LIGHTNING)]
+            if found:
+                raise ConfigError(f"trainer.callbacks: Lightning's {type(found[0]).__name__} {reason}")
+
+    def agree_on_pruning(self) -> None:
+        """After a pruning callback's epoch hook, every rank takes rank 0's masks: a random pruning method would
+        draw other masks on each rank (unifit seeds each rank's randomness apart), and the replicas would differ."""
+        if self.view.world_size == 1 or not any(derives_from(cb, "ModelPruning", *LIGHTNING) for cb in self._running()):
+            return
+        masks = {name: buffer for name, buffer in self.lightning.named_buffers() if name.endswith("_mask")}
+        chosen = self.view.dist.broadcast_object({name: mask.cpu() for name, mask in masks.items()})
+        for name, mask in masks.items():
+            mask.copy_(chosen[name])
 
     # ---- the run's Lightning callbacks ------------------------------------------------------------
     @property
