@@ -174,6 +174,36 @@ def test_backup_and_restore_and_tensorboard_map_onto_unifits_own(tmp_path):
     assert "val/loss" in events.Tags()["scalars"]
 
 
+@pytest.mark.timeout(240)
+def test_an_endless_pipeline_with_steps_per_epoch_reads_on_as_model_fit_and_resumes(tmp_path):
+    """repeat() without a count and steps_per_epoch: each epoch reads on where the last stopped (5 steps of 16 of
+    a 128-sample set: epochs cross the set's end), as model.fit does; a resume reads past what was trained on."""
+    train, val = _data()
+
+    def endless() -> tf.data.Dataset:  # a new one per run: a shuffle draws another order per iterator made
+        return train.unbatch().shuffle(128, seed=1).repeat().batch(BATCH)
+
+    theirs = _model()
+    theirs.fit(endless(), validation_data=val, epochs=3, steps_per_epoch=5, verbose=0)
+    ours = _model()
+    state = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "whole"), **QUIET).fit(
+        ours, data={"train": endless(), "val": val}, steps_per_epoch=5
+    )
+    assert state.global_step == 15
+    for a, b in zip(ours.get_weights(), theirs.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
+        unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "part"), callbacks=[_Interrupt(2)], **QUIET).fit(
+            _model(), data={"train": endless(), "val": val}, steps_per_epoch=5
+        )
+    resumed = _model()
+    unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "part"), **QUIET).fit(
+        resumed, data={"train": endless(), "val": val}, steps_per_epoch=5, ckpt_path="last"
+    )
+    for a, b in zip(resumed.get_weights(), ours.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 class _TorchModule(unifit.TrainModule):
     def __init__(self) -> None:
         super().__init__()
@@ -198,6 +228,8 @@ def test_what_cannot_be_honoured_is_one_line(tmp_path):
     x, y = (np.stack(column) for column in zip(*train.unbatch().as_numpy_iterator()))
     weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(len(x), np.float32))).batch(BATCH)
     refused("has sample weights too", data={"train": weighted}, class_weight={0: 2.0})
+    refused("give steps_per_epoch", data={"train": train.repeat()})
+    refused("unifit evaluates the whole dataset each time", data={"train": train, "val": val.repeat()})
     refused("so no epoch would train", initial_epoch=3)
 
 

@@ -377,7 +377,7 @@ def _checked(data: Any, split: str) -> Any:
     """Arrays pass through; a tf.data.Dataset is checked (unbatched (x, y[, sample_weight]) elements, finite)
     and stays lazy (the engine shards and batches it per replica)."""
     if isinstance(data, tf.data.Dataset):
-        check_dataset(data, f"data ({split})")
+        check_dataset(data, f"data ({split})", endless_ok=split == "train")
         return data
     if isinstance(data, (tuple, list)) and len(data) >= 2:
         return tuple(np.asarray(a) if not isinstance(a, np.ndarray) else a for a in data)

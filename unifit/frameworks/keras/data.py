@@ -31,6 +31,7 @@ _PER_BATCH = (
     "CacheDataset",
     "_ShuffleDataset",
     "_TakeDataset",
+    "_RepeatDataset",
     "_SkipDataset",
     "_FilterDataset",
     "_OptionsDataset",
@@ -124,8 +125,9 @@ def _element_label(y: Any) -> Any:
     return tf.cast(tf.reshape(y, []), tf.int32)
 
 
-def check_dataset(data: Any, what: str) -> None:
-    """One line for a dataset unifit cannot batch: not (x, y[, w]) elements, batched, or endless."""
+def check_dataset(data: Any, what: str, endless_ok: bool = False) -> None:
+    """One line for a dataset unifit cannot batch: not (x, y[, w]) elements, batched, or endless where it cannot
+    be (`endless_ok`: training, whose steps_per_epoch the engine then requires, as model.fit does)."""
     spec = data.element_spec
     if not isinstance(spec, tuple) or len(spec) not in (2, 3):
         shown = f"a tuple of {len(spec)}" if isinstance(spec, tuple) else type(spec).__name__
@@ -151,10 +153,10 @@ def check_dataset(data: Any, what: str) -> None:
         raise ConfigError(
             f"{what}: sample weights have element shape {tuple(weights)}; give one scalar weight per element"
         )
-    if int(data.cardinality()) == tf.data.INFINITE_CARDINALITY:
+    if int(data.cardinality()) == tf.data.INFINITE_CARDINALITY and not endless_ok:
         raise ConfigError(
             f"{what}: the tf.data.Dataset is endless (repeat() without a count); remove .repeat(): "
-            "unifit reads the dataset once per epoch"
+            "unifit evaluates the whole dataset each time"
         )
 
 
@@ -167,10 +169,12 @@ class LazyData:
     TensorFlow cannot tell it (files, filter, ...), one pass over the part at set-up.
     """
 
-    def __init__(self, dataset: Any, what: str, rank: int, world: int) -> None:
-        check_dataset(dataset, what)
+    def __init__(self, dataset: Any, what: str, rank: int, world: int, endless_ok: bool = False) -> None:
+        check_dataset(dataset, what, endless_ok)
         dataset = unbatched(dataset)[0]
         self.what = what
+        # repeat() without a count: one stream read on across epochs (as model.fit with steps_per_epoch), uncounted
+        self.endless = int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY
         self.policy = "none"
         if world > 1:
             dataset, self.policy = _shard(dataset, world, rank)
@@ -178,10 +182,10 @@ class LazyData:
         options.experimental_distribute.auto_shard_policy = _AUTOSHARD.OFF  # sharded here, never again
         self.dataset = dataset.with_options(options)
         known = int(self.dataset.cardinality())
-        self.counted = known < 0
+        self.counted = known < 0 and not self.endless
         self.count = (
             known
-            if known >= 0
+            if known >= 0 or self.endless
             else int(
                 self.dataset.map(lambda *e: tf.constant(1, tf.int64)).reduce(
                     tf.constant(0, tf.int64), lambda a, b: a + b
@@ -201,9 +205,12 @@ class LazyData:
         sizes = tf.constant(per_replica, tf.int64)
         ends = tf.cumsum(sizes)
         parts = len(per_replica)
-        data = self.dataset.take(used)
-        if repeat:
-            data = data.repeat()
+        if self.endless:  # read on: each pass the next `used` elements of the stream
+            data = self.dataset
+        else:
+            data = self.dataset.take(used)
+            if repeat:
+                data = data.repeat()
         data = data.enumerate()
         if skip:
             data = data.skip(skip)

@@ -102,13 +102,22 @@ class KerasEngine(KerasEvaluation, Engine):
         self.train_arrays = self.val_arrays = None
         self._train_iter, self._train_next = None, None
         if isinstance(train, tf.data.Dataset):  # a pipeline: read lazily, each worker its own part
-            self.train_lazy = self._lazy(train, "train_dataset()", presharded)
-            self.per_worker = min(self._counts(self.train_lazy.count))
-            lazy = self.train_lazy
+            self.train_lazy = lazy = self._lazy(train, "train_dataset()", presharded, endless_ok=True)
+            if lazy.endless:  # as model.fit: an endless stream needs steps_per_epoch, and is read on across epochs
+                if not cfg.limit_train_batches:
+                    raise ConfigError(
+                        "train_dataset(): the tf.data pipeline is endless (repeat() without a count); give "
+                        "steps_per_epoch (Trainer.fit(..., steps_per_epoch=N) or trainer.limit_train_batches: N), "
+                        "as model.fit needs it, or remove .repeat()"
+                    )
+                self.per_worker = cfg.limit_train_batches * self.local_batch
+            else:
+                self.per_worker = min(self._counts(lazy.count))
             how = {"file": "sharded by file", "data": "sharded by element", "none": "not sharded"}[lazy.policy]
+            counted = "endless" if lazy.endless else "counted" if lazy.counted else "cardinality"
             logging.getLogger("unifit").info(
                 f"rank {strategy.rank}: train_dataset() is a tf.data pipeline, read lazily, {how}: {lazy.count} "
-                f"samples here ({'counted' if lazy.counted else 'cardinality'}), {self.per_worker} used per epoch"
+                f"samples here ({counted}), {self.per_worker} used per epoch"
             )
         else:
             self.train_arrays = _arrays(train, "train_dataset()")
@@ -253,10 +262,10 @@ class KerasEngine(KerasEvaluation, Engine):
         return step
 
     # ---- data -------------------------------------------------------------------------------
-    def _lazy(self, dataset: Any, what: str, presharded: bool) -> LazyData:
+    def _lazy(self, dataset: Any, what: str, presharded: bool, endless_ok: bool = False) -> LazyData:
         """A tf.data.Dataset as this worker's lazy part (presharded: FileShards already gave this rank its own)."""
         world, rank = (1, 0) if presharded else (self.strategy.world_size, self.strategy.rank)
-        return LazyData(dataset, what, rank, world)
+        return LazyData(dataset, what, rank, world, endless_ok)
 
     def _counts(self, count: int) -> list[int]:
         """Every worker's element count (mwms, horovod: workers' parts differ when sharded by file)."""
@@ -332,7 +341,9 @@ class KerasEngine(KerasEvaluation, Engine):
         samples of the steps already taken."""
         sizes = self._train_sizes[: self._batches]
         if self._train_iter is None or self._train_next != (epoch, skip):
-            dataset = self._lazy_batches(self.train_lazy, sizes, repeat=True, skip=sum(sizes[:skip]))
+            # an endless stream resumes past every sample read since it started (each epoch read on)
+            done = epoch * sum(sizes) if self.train_lazy.endless else 0
+            dataset = self._lazy_batches(self.train_lazy, sizes, repeat=True, skip=done + sum(sizes[:skip]))
             self._train_iter = iter(dataset)
         self._train_next = None  # an epoch left half-way is not continued
         for i in range(skip, self._batches):  # the same count on every worker
