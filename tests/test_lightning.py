@@ -558,3 +558,35 @@ class _SequentialTraining(_TwoLoaders):
 @pytest.mark.timeout(60)
 def test_a_sequential_combined_loader_is_refused_for_training_as_lightning_does():
     _bad(_SequentialTraining(), "CombinedLoader(mode='sequential') for training")
+
+
+class _StepsWithoutIndex(Regressor):
+    """Steps written as Lightning's GAN example writes training_step: no batch_idx parameter."""
+
+    def training_step(self, batch):
+        return super().training_step(batch, 0)
+
+    def validation_step(self, batch):
+        super().validation_step(batch, 0)
+
+    def predict_step(self, batch):
+        return self(batch[0])
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
+@pytest.mark.timeout(120)
+def test_steps_without_batch_idx_are_called_as_lightning_calls_them(tmp_path):
+    torch.manual_seed(0)
+    theirs = _StepsWithoutIndex()
+    reference = lightning_trainer(max_epochs=2)
+    reference.fit(theirs)
+    torch.manual_seed(0)
+    ours = _StepsWithoutIndex()
+    trainer = Trainer(strategy="single", max_epochs=2, batch_size=8, root_dir=str(tmp_path), lr_scaling="none", **QUIET)
+    metrics = trainer.fit(ours).metrics
+    for key, value in _weights(theirs).items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
+    assert metrics["val_mse"] == pytest.approx(float(reference.callback_metrics["val_mse"]), rel=1e-5)
+    assert trainer.predict(ours).shape == (20, 1)

@@ -14,6 +14,7 @@ there. What unifit cannot honour exactly is refused at set-up in one line rather
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from unifit.frameworks.torch.user_loaders import Several
 
 # Trainer.validate/test/predict -> the word in Lightning's hook names
 _HOOK_STAGE = {"validate": "validation", "test": "test", "predict": "predict"}
+# the steps, whose batch_idx Lightning passes only when they take it
+_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 # the hooks Lightning moves a batch to the device with, in its order
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 # the hooks inside the optimizer step a Lightning Callback may have (with the trainer and module first)
@@ -163,10 +166,22 @@ class LightningAdapter(TrainModule):
         for callback in listeners:
             if callback not in late:
                 getattr(callback, name)(self.view, self.lightning, *args)
+        if name in _STEPS and not self._takes_batch_idx(name):  # Lightning's GAN example: training_step(self, batch)
+            args = (args[0], *args[2:])
         out = getattr(self.lightning, name)(*args)
         for callback in late:
             getattr(callback, name)(self.view, self.lightning, *args)
         return out
+
+    def _takes_batch_idx(self, step: str) -> bool:
+        """Whether the module's step takes batch_idx, which Lightning passes only then (its own rule: a parameter
+        of that name, *args, or a second argument)."""
+        known = self.__dict__.setdefault("_batch_idx_taken", {})
+        if step not in known:
+            spec = inspect.getfullargspec(getattr(self.lightning, step))
+            params = spec.args[1:]  # without self
+            known[step] = "batch_idx" in params or spec.varargs is not None or len(params) >= 2
+        return known[step]
 
     def callbacks_only(self, name: str, *args: Any) -> None:
         """A hook only callbacks have (on_exception, on_save_checkpoint, ...)."""
@@ -357,7 +372,7 @@ class LightningAdapter(TrainModule):
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int | None = None) -> Any:
         more = () if dataloader_idx is None else (dataloader_idx,)  # with several loaders, as Lightning passes it
         self.fan_out("on_predict_batch_start", batch, batch_idx, *more)
-        out = self.lightning.predict_step(batch, batch_idx, *more)
+        out = self.fan_out("predict_step", batch, batch_idx, *more)  # no callback has it: the module's step
         if self.records_batch_indices:  # what Lightning's predict loop keeps for its prediction writers
             self.view.predict_loop.record(dataloader_idx or 0, self.batch_indices, out)
         self.fan_out("on_predict_batch_end", out, batch, batch_idx, *more)
