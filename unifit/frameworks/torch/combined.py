@@ -16,7 +16,6 @@ from typing import Any, Iterator
 import torch
 
 from unifit.errors import ConfigError
-from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch import iterable, user_loaders
 
 MODES = ("max_size_cycle", "min_size", "max_size")
@@ -76,17 +75,7 @@ class CombinedTrainLoader:
             yield dict(zip(self.keys, batches)) if self.keys is not None else batches
 
 
-def shard(
-    combined: Combined,
-    *,
-    batch_size: int,
-    world_size: int,
-    rank: int,
-    seed: int,
-    drop_last: bool,
-    num_workers: int,
-    pin_memory: bool,
-) -> CombinedTrainLoader:
+def shard(combined: Combined, *, seed: int, **options: Any) -> CombinedTrainLoader:
     """Each loader sharded for this rank as a single one is (a dataset or arrays with unifit's own loader)."""
     loaders = []
     for i, each in enumerate(combined.loaders):
@@ -96,23 +85,9 @@ def shard(
                 f"{what}: an IterableDataset among several training loaders; unifit combines loaders of a known "
                 "length (cycled by position): give it a map-style dataset, or train on the stream alone"
             )
-        if user_loaders.is_loader(each):
-            loader = user_loaders.train_loader_from(
-                each, what, world_size=world_size, rank=rank, seed=seed + i, drop_last=drop_last
-            )
-        else:
-            loader = tdata.train_loader(
-                tdata.as_dataset(each, what),
-                batch_size=batch_size,
-                world_size=world_size,
-                rank=rank,
-                seed=seed + i,
-                drop_last=drop_last,
-                num_workers=num_workers,
-                pin_memory=pin_memory,
-            )
+        loader = user_loaders.train_loader_for(each, what, seed=seed + i, **options)  # options: train_loader_for's
         if len(loader) == 0:
-            raise ConfigError(f"{what}: no batch on rank {rank} of {world_size}; give it more data or a smaller batch")
+            raise ConfigError(f"{what}: no batch on this rank; give it more data or a smaller batch")
         loaders.append(loader)
     return CombinedTrainLoader(combined, loaders)
 

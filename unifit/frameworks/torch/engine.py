@@ -117,9 +117,8 @@ class TorchEngine(TorchEvaluation, Engine):
                 num_workers=cfg.num_workers,
                 pin_memory=pin,
             )
-        elif isinstance(train, combined.Combined):  # several loaders, a batch of each per step (Lightning's)
-            self.train_loader = combined.shard(
-                train,
+        else:  # a map-style dataset, the user's own DataLoader (its settings kept, its sampling sharded), or several
+            options = dict(
                 batch_size=cfg.batch_size,
                 world_size=shards[0],
                 rank=shards[1],
@@ -128,26 +127,11 @@ class TorchEngine(TorchEvaluation, Engine):
                 num_workers=cfg.num_workers,
                 pin_memory=pin,
             )
-        elif user_loaders.is_loader(train):  # the user's own DataLoader: its settings kept, its sampling sharded
-            self.train_loader = user_loaders.train_loader_from(
-                train,
-                "train_dataloader()",
-                world_size=shards[0],
-                rank=shards[1],
-                seed=cfg.seed,
-                drop_last=cfg.drop_last,
-            )
-        else:
-            self.train_loader = tdata.train_loader(
-                tdata.as_dataset(train, "train_dataset()"),
-                batch_size=cfg.batch_size,
-                world_size=shards[0],
-                rank=shards[1],
-                seed=cfg.seed,
-                drop_last=cfg.drop_last,
-                num_workers=cfg.num_workers,
-                pin_memory=pin,
-            )
+            if isinstance(train, combined.Combined):  # several loaders, a batch of each per step (Lightning's)
+                self.train_loader = combined.shard(train, **options)
+            else:
+                what = "train_dataloader()" if user_loaders.is_loader(train) else "train_dataset()"
+                self.train_loader = user_loaders.train_loader_for(train, what, **options)
         train_ds = self.train_loader.dataset
         self._batches = len(self.train_loader)
         if cfg.limit_train_batches:

@@ -23,7 +23,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch import iterable
-from unifit.frameworks.torch.data import ResumableSampler, ShardSampler, as_dataset, val_loader
+from unifit.frameworks.torch.data import ResumableSampler, ShardSampler, as_dataset, train_loader, val_loader
 from unifit.frameworks.torch.user_samplers import ShardedBatchSampler, ShardedUserSampler
 
 
@@ -94,6 +94,34 @@ def train_loader_from(
             )
         )
     return _rebuilt(loader, sampler=sampler, drop_last=drop, generator=torch.Generator().manual_seed(seed))
+
+
+def train_loader_for(
+    data: Any,
+    what: str,
+    *,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    drop_last: bool,
+    num_workers: int,
+    pin_memory: bool,
+) -> DataLoader:
+    """This rank's training loader for map-style data: the user's DataLoader with its settings kept and its sampling
+    sharded, or unifit's own loader over a dataset or arrays."""
+    if is_loader(data):
+        return train_loader_from(data, what, world_size=world_size, rank=rank, seed=seed, drop_last=drop_last)
+    return train_loader(
+        as_dataset(data, what),
+        batch_size=batch_size,
+        world_size=world_size,
+        rank=rank,
+        seed=seed,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
 
 
 def set_epoch(loader: DataLoader, epoch: int, skip_batches: int) -> None:
