@@ -18,6 +18,8 @@ _EXTRA_FOR_PACKAGE = {
     "s3fs": "s3",
     "tensorboard": "torch",
     "tqdm": "torch",
+    "mlflow": "tracking",
+    "wandb": "tracking",
 }
 
 

@@ -160,7 +160,7 @@ def _epoch_events(fs: Any, root: str) -> list[tuple[float, float, int, dict[str,
 
     Event files are TFRecord files: per record a little-endian u64 length, a u32 CRC, the
     serialized Event, a u32 CRC. A file's first event is written when its writer opens (training
-    starts, or resumes); epoch-end events carry the `epoch` scalar (callbacks/tensorboard.py).
+    starts, or resumes); epoch-end events carry the `epoch` scalar (loggers/tensorboard.py).
     """
     from tensorboard.compat.proto.event_pb2 import Event  # protobuf only, no TensorFlow
 

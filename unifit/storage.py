@@ -18,6 +18,7 @@ import fsspec
 
 from unifit.errors import ConfigError, first_line
 
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 _SECRET = re.compile(r"(secret|password|token|key|credential)", re.IGNORECASE)
 _PROTOCOL_EXTRA = {"s3": "s3", "s3a": "s3"}
 
@@ -30,7 +31,13 @@ def redact(options: Any) -> Any:
         }
     if isinstance(options, list):
         return [redact(v) for v in options]
-    return options
+    return redact_url(options) if isinstance(options, str) else options
+
+
+def redact_url(url: str) -> str:
+    """'https://user:token@host/x' -> 'https://***@host/x' (anywhere in a text, an error message say): credentials
+    inside a URL are secrets too."""
+    return _USERINFO.sub(r"\1***@", url)
 
 
 def is_remote(url: str) -> bool:

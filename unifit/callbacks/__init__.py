@@ -1,4 +1,4 @@
-"""Callbacks: checkpointing, TensorBoard, progress, early stopping, NaN guard, run directory."""
+"""Callbacks: checkpointing, loggers, progress, early stopping, NaN guard, run directory."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from unifit.callbacks.nan_guard import NanGuard
 from unifit.callbacks.preemption import Preemption
 from unifit.callbacks.progress import EpochSummary, ProgressBar
 from unifit.callbacks.run_directory import ModelExport, RunDirectory
-from unifit.callbacks.tensorboard import TensorBoardLogger
 from unifit.callbacks.time_limit import TimeLimit
 from unifit.config.schema import TrainerConfig
+from unifit.loggers import Logger, LoggerConnector
 from unifit.loop.callback import Callback
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "NanGuard",
     "ProgressBar",
     "RunDirectory",
-    "TensorBoardLogger",
     "TimeLimit",
     "default_callbacks",
     "is_foreign_callback",
@@ -36,10 +35,13 @@ __all__ = [
 ]
 
 
-def default_callbacks(cfg: TrainerConfig, reports: dict[str, Any] | None = None) -> list[Callback]:
+def default_callbacks(
+    cfg: TrainerConfig, reports: dict[str, Any] | None = None, loggers: list[Logger] | None = None
+) -> list[Callback]:
     """The built-in callbacks a config asks for, in the order they must run:
     the NaN guard before anything saves, early stopping before the checkpoint that follows it.
-    `reports`: what mapped Lightning callbacks are told ("checkpoint", "early_stopping": lightning_mapping.py)."""
+    `reports`: what mapped Lightning callbacks are told ("checkpoint", "early_stopping": lightning_mapping.py);
+    `loggers`: the run's (unifit.loggers.build_loggers), fed by one LoggerConnector."""
     reports = reports or {}
     callbacks: list[Callback] = []
     if cfg.nan_guard.enabled:
@@ -55,18 +57,8 @@ def default_callbacks(cfg: TrainerConfig, reports: dict[str, Any] | None = None)
         )
     if cfg.preemption.enabled:
         callbacks.append(Preemption(cfg.preemption, save=cfg.preemption.checkpoint and cfg.checkpoint.enabled))
-    if cfg.tensorboard.enabled:
-        tb = cfg.tensorboard
-        callbacks.append(
-            TensorBoardLogger(
-                cfg.tensorboard_dir,
-                tb.log_every_n_steps,
-                sync_to=cfg.tensorboard_sync_to,
-                sync_every_s=tb.sync_every_s,
-                rotate_mb=tb.rotate_mb,
-                storage_options=cfg.storage_options,
-            )
-        )
+    if loggers:
+        callbacks.append(LoggerConnector(loggers, cfg.tensorboard.log_every_n_steps))
     callbacks.append(RunDirectory(cfg.root_dir, cfg.storage_options))
     if cfg.export_dir:
         callbacks.append(ModelExport(cfg.export_dir, cfg.storage_options))

@@ -55,8 +55,6 @@ class LightningHooks(Callback):
     def on_setup(self, ctx: Any) -> None:
         view, cfg = self.adapter.view, ctx.config
         view.ctx, view.max_epochs, view.epoch, view.stage = ctx, cfg.max_epochs, ctx.progress.epoch, "fit"
-        if cfg.tensorboard.enabled:
-            self.adapter.start_logging(cfg.tensorboard_dir, writes=ctx.is_global_zero)
 
     def on_fit_start(self, ctx: Any) -> None:
         self.adapter.fan_out("on_fit_start")
@@ -106,10 +104,7 @@ class LightningHooks(Callback):
             self.adapter.datamodule.on_exception(error)
 
     def on_teardown(self, ctx: Any) -> None:
-        try:
-            self.adapter.teardown()
-        finally:
-            self.adapter.stop_logging()
+        self.adapter.teardown()
 
     def state_dict(self) -> dict[str, Any]:
         """What a Lightning checkpoint adds to the weights: the callbacks' states (by state_key), the data module's

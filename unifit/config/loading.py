@@ -213,10 +213,23 @@ def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
     return current
 
 
+def _without_url_credentials(value: Any) -> Any:
+    """Every 'scheme://user:secret@host' in the config, wherever it is, as 'scheme://***@host'."""
+    from unifit.storage import redact_url
+
+    if isinstance(value, dict):
+        return {k: _without_url_credentials(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_url_credentials(v) for v in value]
+    return redact_url(value) if isinstance(value, str) else value
+
+
 def resolved_yaml(config: ExperimentConfig) -> str:
     """The fully resolved config as YAML (what print-config shows and each run saves), secrets redacted."""
     from unifit.storage import redact
 
     data = config.model_dump(mode="json")
     data["trainer"]["storage_options"] = redact(data["trainer"]["storage_options"])
+    data["trainer"]["loggers"] = redact(data["trainer"]["loggers"])  # a custom logger's api_key, say
+    data = _without_url_credentials(data)
     return yaml.dump(data, Dumper=_Yaml12Dumper, sort_keys=False)

@@ -11,12 +11,14 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -91,6 +93,78 @@ class TensorBoardConfig(_Strict):
     rotate_mb: PositiveFloat = Field(
         4.0, description="Start a new event file past this size, so a sync never re-uploads a large file."
     )
+
+
+class TensorBoardLoggerConfig(_Strict):
+    """`tensorboard` in trainer.loggers; its options are trainer.tensorboard's."""
+
+    name: Literal["tensorboard"] = Field(description="TensorBoard event files (options: trainer.tensorboard).")
+
+
+class CSVLoggerConfig(_Strict):
+    """metrics.csv as Lightning's CSVLogger writes it (a row per logged step, a column per name, `step` and `epoch`)."""
+
+    name: Literal["csv"] = Field(description="metrics.csv, Lightning's columns.")
+    path: str | None = Field(
+        None, description="Where the file goes (local or fsspec URL); default <root_dir>/metrics.csv."
+    )
+
+
+class MLflowLoggerConfig(_Strict):
+    """An MLflow run: the resolved config as params, every metric at its step, config.yaml (and optionally the last
+    checkpoint) as artifacts. Sent from a background thread; an outage is retried and caught up."""
+
+    name: Literal["mlflow"] = Field(description="MLflow tracking.")
+    tracking_uri: str | None = Field(
+        None,
+        description="The tracking server (http://host:5000) or store (sqlite:///path.db); default the MLFLOW_TRACKING_URI environment variable. Credentials come from MLflow's environment (MLFLOW_TRACKING_TOKEN, ...), never from here.",
+    )
+    experiment: str = Field("unifit", description="MLflow experiment name (created when missing).")
+    run_name: str | None = Field(None, description="The run's display name; default MLflow's generated one.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags set on the run when it is created.")
+    log_checkpoints: bool = Field(
+        False, description="Upload the last checkpoint as artifacts (checkpoints/<name>) when fit ends."
+    )
+    flush_timeout_s: PositiveFloat = Field(
+        120.0, description="How long the end of the run waits for records still queued (a server that is down)."
+    )
+
+
+class WandbLoggerConfig(_Strict):
+    """A Weights & Biases run: the resolved config as its config, every metric at its step."""
+
+    name: Literal["wandb"] = Field(description="Weights & Biases.")
+    project: str = Field("unifit", description="W&B project.")
+    entity: str | None = Field(None, description="W&B team or user; default your login's.")
+    run_name: str | None = Field(None, description="The run's display name.")
+    group: str | None = Field(None, description="Group runs together (e.g. one sweep).")
+    tags: list[str] = Field(default_factory=list, description="Tags on the run.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline writes the run under dir for `wandb sync` later (no network)."
+    )
+    dir: str | None = Field(None, description="Local directory for wandb's files; default root_dir.")
+    log_checkpoints: bool = Field(False, description="Log the last checkpoint as a model artifact when fit ends.")
+
+
+_LOGGER_NAMES = ("tensorboard", "csv", "mlflow", "wandb")
+
+
+def _logger_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        return "class_path" if "class_path" in value else value.get("name")
+    return "class_path" if isinstance(value, ClassPath) else getattr(value, "name", None)
+
+
+LoggerSpec = Annotated[
+    Annotated[TensorBoardLoggerConfig, Tag("tensorboard")]
+    | Annotated[CSVLoggerConfig, Tag("csv")]
+    | Annotated[MLflowLoggerConfig, Tag("mlflow")]
+    | Annotated[WandbLoggerConfig, Tag("wandb")]
+    | Annotated[ClassPath, Tag("class_path")],
+    Discriminator(_logger_kind),
+]
 
 
 class EarlyStoppingConfig(_Strict):
@@ -239,6 +313,11 @@ class TrainerConfig(_Strict):
         description="Extra callbacks by class path: subclasses of unifit.Callback, or Lightning callbacks (run as they are or mapped onto unifit's own: docs/lightning.md#callbacks).",
     )
 
+    loggers: list[LoggerSpec] | None = Field(
+        None,
+        description="Where metrics go, each a name or a name with options: tensorboard, csv, mlflow, wandb, or {class_path: pkg.module:MyLogger, init_args: {...}} (a unifit.loggers.Logger or a Lightning logger); e.g. [tensorboard, {name: mlflow, tracking_uri: 'http://127.0.0.1:5000'}]. Default: [tensorboard] (none when tensorboard.enabled is false). Rank 0 logs; step values every tensorboard.log_every_n_steps.",
+    )
+
     _batch_size_from: str | None = PrivateAttr(None)
 
     @property
@@ -276,6 +355,36 @@ class TrainerConfig(_Strict):
                 f"warmup_epochs={self.warmup_epochs} and warmup_steps={self.warmup_steps} are both set; set only one"
             )
         return self
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _logger_names(cls, value: Any) -> Any:
+        """'csv' is {name: csv}; an unknown name is one line naming the ones there are."""
+        if not isinstance(value, list):
+            return value
+        items = []
+        for i, item in enumerate(value):
+            kind = _logger_kind(item)
+            if kind not in (*_LOGGER_NAMES, "class_path"):
+                raise ValueError(
+                    f"item {i}: received {item!r}; a logger is one of {', '.join(_LOGGER_NAMES)}, "
+                    "a name with options ({name: mlflow, tracking_uri: ...}) or {class_path: pkg.module:MyLogger}"
+                )
+            items.append({"name": item} if isinstance(item, str) else item)
+        return items
+
+    @model_validator(mode="after")
+    def _tensorboard_named_and_off(self) -> TrainerConfig:
+        if not self.tensorboard.enabled and any(_logger_kind(item) == "tensorboard" for item in self.loggers or ()):
+            raise ValueError("loggers names tensorboard and tensorboard.enabled is false; keep one of the two")
+        return self
+
+    @property
+    def logger_specs(self) -> list[Any]:
+        """The loggers this run writes to: `loggers`, or TensorBoard alone by default."""
+        if self.loggers is not None:
+            return list(self.loggers)
+        return [TensorBoardLoggerConfig(name="tensorboard")] if self.tensorboard.enabled else []
 
     @property
     def checkpoint_dir(self) -> str:

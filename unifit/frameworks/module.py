@@ -129,6 +129,21 @@ class ModuleBase:
         """Lightning callbacks the module brings (a LightningModule's configure_callbacks())."""
         return []
 
+    def use_loggers(self, loggers: list[Any]) -> None:
+        """The run's loggers (unifit.loggers), for `self.logger` / `self.loggers`."""
+        self.__dict__["_unifit_loggers"] = list(loggers)
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The run's loggers; their `experiment` is the backend's own object (TensorBoard's SummaryWriter, an
+        MlflowClient, the wandb run) on rank 0 and a no-op object elsewhere, as in Lightning."""
+        return self.__dict__.get("_unifit_loggers", [])
+
+    @property
+    def logger(self) -> Any:
+        """The first of `loggers` (None when the run logs nowhere), as Lightning's `self.logger`."""
+        return self.loggers[0] if self.loggers else None
+
     def use_callbacks(self, running: list[Any], every: list[Any]) -> None:
         """The run's Lightning callbacks: `running` are run as they are, which a LightningModule's run does."""
         if running:

@@ -21,6 +21,7 @@ from unifit.config.init_args import build
 from unifit.config.loading import resolved_yaml, validate_trainer, with_updates
 from unifit.config.schema import ExperimentConfig, TrainerConfig
 from unifit.errors import ConfigError, UnifitError
+from unifit.loggers import build_loggers
 from unifit.loop.callback import Callback
 from unifit.loop.context import FitContext
 from unifit.loop.dispatcher import Dispatcher
@@ -118,12 +119,16 @@ class Trainer:
         dispatch: Dispatcher | None = None
         try:
             strategy.setup()
-            strategy.rank_zero_call(lambda: _check_storage(cfg))  # a bad bucket or credentials stop every rank now
+            loggers = build_loggers(cfg)  # on every rank; rank 0 starts them
+            strategy.rank_zero_call(
+                lambda: _check_destinations(cfg, loggers)
+            )  # a bad bucket or server stops every rank now
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
             self.state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
-            callbacks = self._callbacks(module, cfg, prepared)
+            module.use_loggers(loggers)  # self.logger / self.loggers (writing on rank 0 once the fit starts)
+            callbacks = self._callbacks(module, cfg, prepared, loggers)
             ctx = FitContext(
                 config=cfg,
                 state=self.state,
@@ -306,9 +311,9 @@ class Trainer:
             dispatch(Event.VALIDATION_END)  # what the module logs at its epoch end is reduced there too
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _callbacks(self, module: Any, cfg: TrainerConfig, prepared: Any) -> list[Callback]:
+    def _callbacks(self, module: Any, cfg: TrainerConfig, prepared: Any, loggers: list[Any]) -> list[Callback]:
         every = [
-            *default_callbacks(cfg, prepared.plan.reports),
+            *default_callbacks(cfg, prepared.plan.reports, loggers),
             *self.extra_callbacks,
             *prepared.callbacks,
             *module.configure_callbacks(),
@@ -369,8 +374,9 @@ def _with_fit_arguments(
         raise ConfigError(f"fit({arguments}): {exc}") from None
 
 
-def _check_storage(cfg: TrainerConfig) -> None:
-    """Every place the run writes is writable (rank 0 checks; a bad bucket or credentials stop every rank)."""
+def _check_destinations(cfg: TrainerConfig, loggers: list[Any]) -> None:
+    """Every place the run writes is writable and every tracking server answers (rank 0 checks; a bad bucket,
+    credentials or an unreachable server stop every rank before any trains)."""
     locations = {"trainer.root_dir": cfg.root_dir}
     if cfg.checkpoint.enabled:
         locations["trainer.checkpoint.dir"] = cfg.checkpoint_dir
@@ -380,6 +386,8 @@ def _check_storage(cfg: TrainerConfig) -> None:
         locations["trainer.tensorboard.sync_to"] = cfg.tensorboard_sync_to
     for where, url in locations.items():
         check_writable(url, cfg.storage_options, where)
+    for logger in loggers:
+        logger.check()
 
 
 def _foreign_callback(i: int, callback: Any) -> str:

@@ -23,7 +23,6 @@ from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.combined import Combined
 from unifit.frameworks.torch.data import batch_size_of
-from unifit.frameworks.torch.lightning_logger import TensorBoardView
 from unifit.frameworks.torch.lightning_trainer import TrainerView
 from unifit.frameworks.torch.module import TrainModule, restore_modes, training_modes
 from unifit.frameworks.torch.step_seams import STEP_HOOKS
@@ -188,13 +187,9 @@ class LightningAdapter(TrainModule):
         for callback in self._listeners.get(name, ()):
             getattr(callback, name)(self.view, self.lightning, *args)
 
-    def start_logging(self, log_dir: str | None, writes: bool) -> None:
-        """trainer.logger / self.logger: TensorBoard's surface, writing on rank 0 (None when TensorBoard is off)."""
-        self.view.logger = TensorBoardView(log_dir, writes)
-
-    def stop_logging(self) -> None:
-        if self.view.logger is not None:
-            self.view.logger.finalize()
+    def use_loggers(self, loggers: list[Any]) -> None:
+        """trainer.logger(s) / self.logger(s): the run's loggers (unifit.loggers), writing on rank 0."""
+        self.view.loggers = list(loggers)
 
     # the checkpoint holds the LightningModule's own keys, as Lightning's checkpoints do
     @property

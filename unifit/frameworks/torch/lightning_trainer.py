@@ -125,7 +125,7 @@ class TrainerView:
         self.strategy = _StrategyView(self)
         self.precision_plugin = _PrecisionView(self)
         self.predict_loop = PredictLoopView()
-        self.logger: Any = None  # set by the adapter once the fit's config is known (TensorBoard, rank 0)
+        self.loggers: list[Any] = []  # the run's (unifit.loggers), set by the adapter as a fit starts
         self.gradient_clip_algorithm = None
         self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts
         self.max_epochs: int | None = None
@@ -239,12 +239,12 @@ class TrainerView:
         return self._config("root_dir")
 
     @property
-    def log_dir(self) -> str | None:
-        return getattr(self.logger, "log_dir", None)
+    def logger(self) -> Any:
+        return self.loggers[0] if self.loggers else None
 
     @property
-    def loggers(self) -> list[Any]:
-        return [self.logger] if self.logger is not None else []
+    def log_dir(self) -> str | None:
+        return getattr(self.logger, "log_dir", None)
 
     @property
     def model(self) -> Any:

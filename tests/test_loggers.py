@@ -1,0 +1,259 @@
+"""Loggers with real backends: a real `mlflow server` (sqlite store, artifacts served over HTTP) on 127.0.0.1 read back
+through mlflow.MlflowClient, W&B in offline mode read back from its own run file with wandb's own protobufs, and
+Lightning-compatible metrics.csv. The server is stopped mid-run and restarted (the run finishes, nothing is lost), a
+resumed fit continues the same tracked run without a step twice, an unreachable server is one line and exit 2 before
+anything trains, one tracked run is written by rank 0 under ddp, horovod and mwms, and credentials in the tracking
+URI reach no file, param or output."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import unifit
+from tests.helpers import assert_ok, launch_probe, run_unifit
+from tests.probe.lightning_probe import Regressor
+
+mlflow = pytest.importorskip("mlflow", reason="mlflow is in unifit[tracking]: scripts/setup.sh test installs it")
+SECRET = "s3cr3t-t0ken"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """`mlflow server` on 127.0.0.1 with a sqlite store and artifacts it serves itself; stop() and start() again."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port, self.proc = root, _free_port(), None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait: bool = True) -> None:
+        cmd = [
+            *(os.path.join(os.path.dirname(sys.executable), "mlflow"), "server"),
+            *("--backend-store-uri", f"sqlite:///{self.root}/mlflow.db"),
+            *("--artifacts-destination", str(self.root / "artifacts")),
+            *("--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"),
+        ]
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        if wait:
+            self.wait_up()
+
+    def wait_up(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
+                time.sleep(0.25)
+        raise AssertionError(f"mlflow server not up after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _runs(uri: str, experiment: str) -> list:
+    client = mlflow.MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in mlflow.MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def _csv_rows(path: Path) -> tuple[list[str], list[dict]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), list(reader)
+
+
+def _wandb_records(run_dir: str) -> list:
+    """Records of an offline run's .wandb file, parsed with wandb's own protobufs (the file is a leveldb-style log:
+    a 7-byte ':W&B' header, then records in 32 KiB blocks, each chunk with a crc32, length and full/first/last kind)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(glob.glob(f"{run_dir}/run-*.wandb")[0]).read_bytes()
+    assert data[:4] == b":W&B"
+    records, pos, pending, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full, or last of a split record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def _wandb_history(run_dir: str) -> dict[int, dict]:
+    steps: dict[int, dict] = {}
+    for record in _wandb_records(run_dir):
+        if record.WhichOneof("record_type") == "history":
+            values = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+            }
+            steps[values["_step"]] = values
+    return steps
+
+
+class Outage(unifit.Callback):
+    """Stops the tracking server after the first epoch and starts it again (not waiting) after the third."""
+
+    def __init__(self, server: MlflowServer) -> None:
+        self.server = server
+
+    def on_epoch_end(self, ctx) -> None:
+        if ctx.state.epoch == 1:  # epochs done
+            self.server.stop()
+        elif ctx.state.epoch == 3:
+            self.server.start(wait=False)
+
+
+class TrackedRegressor(Regressor):
+    """Lightning code as written for MLflowLogger: `self.logger.experiment` is an MlflowClient."""
+
+    def on_train_epoch_end(self) -> None:
+        if self.current_epoch == 0:  # before the outage: the module's own calls go straight to the server
+            self.logger.experiment.set_tag(self.logger.run_id, "module_epoch", str(self.current_epoch))
+        self.loggers[1].experiment.summary["module_epoch"] = self.current_epoch  # the wandb run
+
+
+@pytest.mark.timeout(300)
+def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_the_same_runs(
+    server, tmp_path, capfd, caplog
+):
+    uri = server.uri.replace("http://", f"http://unifit:{SECRET}@")
+    loggers = [
+        {"name": "mlflow", "tracking_uri": uri, "experiment": "outage", "log_checkpoints": True},
+        {"name": "wandb", "mode": "offline", "project": "unifit-test"},
+        "csv",
+    ]
+    options = dict(
+        root_dir=str(tmp_path / "run"),
+        loggers=loggers,
+        tensorboard={"log_every_n_steps": 2},
+        progress_bar=False,
+        lr_scaling="none",
+        batch_size=8,
+        checkpoint={"keep_last_n": 5},
+    )
+    unifit.Trainer(max_epochs=4, callbacks=[Outage(server)], **options).fit(TrackedRegressor())
+    server.wait_up()
+    out, err = capfd.readouterr()
+    assert "failing" in caplog.text and "recovered" in caplog.text, caplog.text  # the outage was real
+
+    (run,) = _runs(server.uri, "outage")
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.max_epochs"] == "4" and run.data.tags["module_epoch"] == "0"
+    assert all(SECRET not in str(v) for v in run.data.params.values())
+    loss = _history(server.uri, run_id, "train/loss_step")
+    assert [s for s, _ in loss] == list(range(2, 33, 2))  # every second step of 4 x 8, once: nothing lost in the outage
+    assert [(s, v) for s, v in _history(server.uri, run_id, "epoch")] == [(8, 1), (16, 2), (24, 3), (32, 4)]
+    artifacts = {a.path for a in mlflow.MlflowClient(server.uri).list_artifacts(run_id)}
+    assert {"config.yaml", "checkpoints"} <= artifacts
+    checkpoint = mlflow.MlflowClient(server.uri).list_artifacts(run_id, "checkpoints")
+    assert len(checkpoint) == 1 and mlflow.MlflowClient(server.uri).list_artifacts(run_id, checkpoint[0].path)
+
+    header, rows = _csv_rows(tmp_path / "run" / "metrics.csv")  # Lightning's CSVLogger layout
+    assert header == sorted(header) and {"epoch", "step", "train/loss_step", "val_mse", "lr_step"} <= set(header)
+    csv_loss = [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r["train/loss_step"]]
+    assert csv_loss == loss  # the same values at the same steps as MLflow's
+
+    (wandb_dir,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*"))
+    history = _wandb_history(wandb_dir)
+    assert [(s, history[s]["train/loss_step"]) for s in sorted(history) if "train/loss_step" in history[s]] == loss
+    (meta,) = [r.run for r in _wandb_records(wandb_dir) if r.WhichOneof("record_type") == "run"]
+    config = {u.key: json.loads(u.value_json) for u in meta.config.update}
+    assert config["trainer.max_epochs"] == 4 and SECRET not in json.dumps(config)
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".csv", ".jsonl", ".json"):
+            assert SECRET not in path.read_text(errors="replace"), path
+    assert SECRET not in out + err + caplog.text
+
+    # resume from the checkpoint of epoch 2 (the run has logged 2 epochs past it) and go on to 6 epochs
+    (older,) = [p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.endswith("step=0000016")]
+    unifit.Trainer(max_epochs=6, **options).fit(TrackedRegressor(), ckpt_path=older)
+    (again,) = _runs(server.uri, "outage")
+    assert again.info.run_id == run_id and again.info.status == "FINISHED"
+    assert [s for s, _ in _history(server.uri, run_id, "train/loss_step")] == list(range(2, 49, 2))
+    assert [s for s, _ in _history(server.uri, run_id, "epoch")] == [8, 16, 24, 32, 40, 48]
+    _, rows = _csv_rows(tmp_path / "run" / "metrics.csv")
+    steps = [int(r["step"]) for r in rows if r["train/loss_step"]]
+    assert steps == list(range(2, 49, 2))  # the rows after the checkpoint were replaced, not repeated
+    resumed = [d for d in glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*")) if d != wandb_dir]
+    assert len(resumed) == 1 and resumed[0].endswith(wandb_dir.rsplit("-", 1)[-1])  # the same wandb run id
+    # offline, wandb cannot know the steps the run logged past the checkpoint: they are logged again from it, with
+    # the values they had (the resume is exact), in the resumed run's own offline directory
+    again_history = {s: v["train/loss_step"] for s, v in _wandb_history(resumed[0]).items() if "train/loss_step" in v}
+    assert sorted(again_history) == list(range(18, 49, 2))
+    assert [again_history[s] for s in range(18, 33, 2)] == pytest.approx([v for s, v in loss if s > 16], rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_server_or_an_unknown_logger_is_one_line_and_exit_2_before_training(tmp_path):
+    dead = f"http://unifit:{SECRET}@127.0.0.1:{_free_port()}"
+    for loggers, needle in (
+        (f'[{{name: mlflow, tracking_uri: "{dead}"}}]', "trainer.loggers[0].tracking_uri: the MLflow server at"),
+        ("[csv, mlfow]", "mlfow"),
+    ):
+        result = run_unifit(
+            "fit", "-c", "tests/probe/probe.yaml", "--trainer.root_dir", str(tmp_path), "--trainer.loggers", loggers
+        )
+        assert result.returncode == 2, result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], result.stderr
+        assert SECRET not in result.stderr + result.stdout
+        assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "horovod", "mwms"])
+def test_one_tracked_run_written_by_rank_0(server, tmp_path, strategy):
+    if strategy == "horovod":
+        pytest.importorskip("horovod.torch", reason="horovod is built by scripts/setup.sh test")
+    loggers = f'[csv, {{name: mlflow, tracking_uri: "{server.uri}", experiment: ranks-{strategy}}}]'
+    result = launch_probe(strategy, tmp_path, "--trainer.loggers", loggers)
+    assert_ok(result)
+    (run,) = _runs(server.uri, f"ranks-{strategy}")
+    assert run.data.params["trainer.strategy"] == strategy and run.info.status == "FINISHED"
+    epochs = _history(server.uri, run.info.run_id, "epoch")
+    assert [v for _, v in epochs] == [1, 2, 3]
+    _, rows = _csv_rows(tmp_path / "metrics.csv")
+    steps = [(int(r["step"]), r["epoch"]) for r in rows]
+    assert len(steps) == len(set(steps))  # one writer
+    assert [s for s, e in steps if e] == [s for s, _ in epochs]

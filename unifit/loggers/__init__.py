@@ -1,0 +1,52 @@
+"""Loggers: where a run's metrics go (TensorBoard, metrics.csv, MLflow, Weights & Biases, your own), fed by one
+callback on rank 0 (connector.py). Each logger is one file; `build_loggers` makes those trainer.loggers names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unifit._imports import load_object
+from unifit.config.schema import ClassPath, TrainerConfig
+from unifit.errors import ConfigError
+from unifit.loggers.base import Logger, NoOpExperiment, RunInfo
+from unifit.loggers.connector import LoggerConnector
+
+__all__ = ["Logger", "LoggerConnector", "NoOpExperiment", "RunInfo", "build_loggers"]
+
+
+# a logger name in trainer.loggers -> its class (imported only when named)
+LOGGERS = {
+    "tensorboard": "unifit.loggers.tensorboard:TensorBoardLogger",
+    "csv": "unifit.loggers.csv:CSVLogger",
+    "mlflow": "unifit.loggers.mlflow:MLflowLogger",
+    "wandb": "unifit.loggers.wandb:WandbLogger",
+}
+
+
+def build_loggers(cfg: TrainerConfig) -> list[Logger]:
+    """The run's loggers, made on every rank (only rank 0 starts them); backends import when started."""
+    made: list[Logger] = []
+    for i, spec in enumerate(cfg.logger_specs):
+        field = f"trainer.loggers[{i}]"
+        if isinstance(spec, ClassPath):
+            made.append(_user_logger(spec, field))
+        else:
+            logger = load_object(LOGGERS[spec.name], field=field).from_config(spec, cfg)
+            logger.field = field
+            made.append(logger)
+    return made
+
+
+def _user_logger(spec: ClassPath, field: str) -> Logger:
+    from unifit.config.init_args import build
+    from unifit.loggers.foreign import LightningLoggerAdapter
+
+    made: Any = build(spec.class_path, spec.init_args, field)
+    if isinstance(made, Logger):
+        return made
+    if callable(getattr(made, "log_metrics", None)) and callable(getattr(made, "log_hyperparams", None)):
+        return LightningLoggerAdapter(made)
+    raise ConfigError(
+        f"{field}.class_path: received {spec.class_path}, which is neither a unifit.loggers.Logger nor a Lightning "
+        "logger (log_metrics and log_hyperparams); subclass unifit.loggers.Logger"
+    )

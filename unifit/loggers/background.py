@@ -1,0 +1,104 @@
+"""Send records to a tracking server from a background thread, so a slow or unreachable server never
+slows a training step.
+
+Records queue in order; the thread sends runs of records of one kind (metrics, artifacts, the run's
+status) with the logger's `send`, which must do all of a run or raise. A failed send is retried with
+backoff and nothing is dropped: an outage is reported once, and the next successful send catches up.
+`close` waits a bounded time for the queue to drain and says what could not be sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from unifit.storage import redact_url
+
+log = logging.getLogger("unifit")
+
+
+class BackgroundSender:
+    def __init__(
+        self,
+        send: Callable[[str, list[Any]], None],
+        what: str,
+        *,
+        max_run: int = 1000,
+        max_backoff_s: float = 10.0,
+    ) -> None:
+        self._send, self.what = send, what
+        self.max_run, self.max_backoff_s = max_run, max_backoff_s
+        self._queue: deque[tuple[str, Any]] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name=f"unifit-{what}", daemon=True)
+        self._thread.start()
+
+    def put(self, kind: str, record: Any) -> None:
+        """Queue one record; returns at once."""
+        with self._cond:
+            self._queue.append((kind, record))
+            self._cond.notify()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self, timeout_s: float) -> int:
+        """Stop after the queue is sent or `timeout_s` passed; returns how many records were not sent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        left = self.pending()
+        if left:
+            log.warning(
+                "%s: %d records were not sent within %.0fs (the server stayed unreachable); they are lost",
+                self.what,
+                left,
+                timeout_s,
+            )
+        return left
+
+    def _next_run(self) -> tuple[str, list[Any]]:
+        kind = self._queue[0][0]
+        run = []
+        for k, record in self._queue:
+            if k != kind or len(run) == self.max_run:
+                break
+            run.append(record)
+        return kind, run
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                kind, run = self._next_run()
+            try:
+                self._send(kind, run)
+            except Exception as exc:  # keep training; report once, retry with backoff
+                if not self._failing:
+                    log.warning(
+                        "%s failing (%s: %s); training goes on, records are kept and retried",
+                        self.what,
+                        type(exc).__name__,
+                        redact_url(str(exc).splitlines()[0][:300]) if str(exc) else "",
+                    )
+                self._failing = True
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
+            with self._cond:
+                for _ in run:
+                    self._queue.popleft()
+            if self._failing:
+                log.warning("%s recovered; caught up", self.what)
+            self._failing, backoff = False, 0.5
