@@ -92,7 +92,7 @@ def test_every_problem_of_a_lightning_cli_file_in_one_line(tmp_path, cli):
         "  bogus: 1\n"
         "  strategy: deepspeed_stage_2\n"
         "  max_steps: -1\n"  # Lightning's default: fine
-        "  logger: {class_path: lightning.pytorch.loggers.WandbLogger}\n"
+        "  logger: {class_path: lightning.pytorch.loggers.WandbLogger, init_args: {anonymous: allow}}\n"
         "model: {lr: 0.1}\n"
         "optimizer: {class_path: torch.optim.Adam}\n"
     )
@@ -107,7 +107,7 @@ def test_every_problem_of_a_lightning_cli_file_in_one_line(tmp_path, cli):
         "trainer.min_epochs: received 3",
         "trainer.bogus: not a Lightning Trainer argument",
         "trainer.strategy: received 'deepspeed_stage_2'",
-        "trainer.logger: received a WandbLogger",
+        "trainer.logger: WandbLogger init_args ['anonymous'] have no unifit counterpart",
         "seed_everything: true draws a random seed",
     ):
         assert problem in message[0], problem

@@ -257,3 +257,70 @@ def test_one_tracked_run_written_by_rank_0(server, tmp_path, strategy):
     steps = [(int(r["step"]), r["epoch"]) for r in rows]
     assert len(steps) == len(set(steps))  # one writer
     assert [s for s, e in steps if e] == [s for s, _ in epochs]
+
+
+@pytest.mark.timeout(120)
+def test_lightning_loggers_run_as_they_are_and_unifits_csv_matches_lightnings(tmp_path):
+    """A Lightning CSVLogger object given to the Trainer is driven as Lightning drives it; unifit's own `csv` gets the
+    same calls and writes the same file (columns and values), and `self.logger` is the first of them."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    seen = []
+
+    class Module(Regressor):
+        def on_train_epoch_end(self) -> None:
+            seen.append((type(self.logger).__name__, len(self.loggers), self.logger.log_dir))
+
+    lightning_csv = CSVLogger(tmp_path / "lightning")
+    trainer = unifit.Trainer(
+        root_dir=str(tmp_path / "run"),
+        max_epochs=2,
+        loggers=["csv", lightning_csv],
+        tensorboard={"log_every_n_steps": 3},
+        progress_bar=False,
+        lr_scaling="none",
+        checkpoint={"enabled": False},
+    )
+    trainer.fit(Module())
+    ours = _csv_rows(tmp_path / "run" / "metrics.csv")
+    theirs = _csv_rows(Path(lightning_csv.log_dir) / "metrics.csv")
+    assert ours == theirs and ours[1]  # same header, same rows
+    assert [int(r["step"]) for r in ours[1] if r["train/loss_step"]] == [3, 6, 9, 12, 15]
+    hparams = (Path(lightning_csv.log_dir) / "hparams.yaml").read_text()
+    assert "trainer.max_epochs: 2" in hparams  # the resolved config, once
+    assert seen == [("CSVLogger", 2, str(tmp_path / "run"))] * 2
+
+
+def test_a_lightning_cli_files_loggers_become_unifits():
+    from unifit.config.lightning_cli import from_lightning_cli
+
+    run = from_lightning_cli(
+        {
+            "model": {"class_path": "tests.probe.lightning_probe.Regressor"},
+            "trainer": {
+                "logger": [
+                    {
+                        "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+                        "init_args": {
+                            "experiment_name": "exp",
+                            "tracking_uri": "http://127.0.0.1:5000",
+                            "log_model": True,
+                        },
+                    },
+                    {
+                        "class_path": "lightning.pytorch.loggers.WandbLogger",
+                        "init_args": {"project": "p", "offline": True},
+                    },
+                    {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "logs"}},
+                    {"class_path": "my_pkg.CometLike", "init_args": {"project": "q"}},
+                ]
+            },
+        },
+        "cli.yaml",
+    )
+    assert run.experiment["trainer"]["loggers"] == [
+        {"name": "mlflow", "experiment": "exp", "tracking_uri": "http://127.0.0.1:5000", "log_checkpoints": True},
+        {"name": "wandb", "project": "p", "mode": "offline", "log_checkpoints": False},
+        {"name": "csv", "path": "logs/metrics.csv"},
+        {"class_path": "my_pkg.CometLike", "init_args": {"project": "q"}},
+    ]

@@ -14,12 +14,15 @@ from pydantic_core import PydanticUndefined
 
 from unifit.config.schema import (
     CheckpointConfig,
+    CSVLoggerConfig,
     EarlyStoppingConfig,
     ExperimentConfig,
+    MLflowLoggerConfig,
     NanGuardConfig,
     PreemptionConfig,
     TensorBoardConfig,
     TrainerConfig,
+    WandbLoggerConfig,
 )
 
 SECTIONS: list[tuple[str, type[BaseModel]]] = [
@@ -30,6 +33,9 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("trainer.early_stopping", EarlyStoppingConfig),
     ("trainer.nan_guard", NanGuardConfig),
     ("trainer.preemption", PreemptionConfig),
+    ("trainer.loggers: {name: csv}", CSVLoggerConfig),
+    ("trainer.loggers: {name: mlflow}", MLflowLoggerConfig),
+    ("trainer.loggers: {name: wandb}", WandbLoggerConfig),
 ]
 
 
@@ -78,7 +84,7 @@ def render() -> str:
         lines += [
             f"## `{section}`",
             "",
-            (model.__doc__ or "").strip(),
+            " ".join((model.__doc__ or "").split()),
             "",
             "| key | type | default | meaning |",
             "|---|---|---|---|",

@@ -261,22 +261,80 @@ def _max_time(value: Any) -> Any:
     return value
 
 
+# Lightning's loggers as unifit's: {Lightning init arg: unifit option} (None: accepted, nothing to map)
+_LOGGER_ARGS: dict[str, tuple[str, dict[str, str | None]]] = {
+    "TensorBoardLogger": ("tensorboard", {"save_dir": None, "name": None, "version": None, "log_graph": None}),
+    "CSVLogger": ("csv", {"save_dir": "path", "name": None, "version": None, "flush_logs_every_n_steps": None}),
+    "MLFlowLogger": (
+        "mlflow",
+        {
+            "experiment_name": "experiment",
+            "run_name": "run_name",
+            "tracking_uri": "tracking_uri",
+            "tags": "tags",
+            "log_model": "log_checkpoints",
+            "save_dir": None,
+            "prefix": None,
+            "synchronous": None,
+        },
+    ),
+    "WandbLogger": (
+        "wandb",
+        {
+            "name": "run_name",
+            "project": "project",
+            "entity": "entity",
+            "group": "group",
+            "tags": "tags",
+            "save_dir": "dir",
+            "dir": "dir",
+            "offline": "mode",
+            "mode": "mode",
+            "log_model": "log_checkpoints",
+            "prefix": None,
+        },
+    ),
+}
+
+
 def _logger(value: Any, out: dict[str, Any]) -> None:
+    """Lightning's TensorBoardLogger, CSVLogger, MLFlowLogger and WandbLogger as unifit's loggers (their arguments
+    mapped); any other Lightning logger runs as it is, by class path."""
     if value is False:
         out.setdefault("tensorboard", {})["enabled"] = False
+        out["loggers"] = []
         return
     if value in (None, True):
         return
-    entries = value if isinstance(value, list) else [value]
-    for entry in entries:
-        kind = entry.get("class_path", "").rsplit(".", 1)[-1] if isinstance(entry, dict) else str(entry)
-        if kind != "TensorBoardLogger":
-            raise ConfigError(
-                f"received a {kind}; unifit writes TensorBoard logs and metrics.jsonl (TensorBoardLogger)"
-            )
-        save_dir = (entry.get("init_args") or {}).get("save_dir")
-        if save_dir:
-            out.setdefault("tensorboard", {})["log_dir"] = str(save_dir)
+    loggers: list[Any] = []
+    for entry in value if isinstance(value, list) else [value]:
+        if not isinstance(entry, dict) or "class_path" not in entry:
+            raise ConfigError(f"received {entry!r}; give each logger as {{class_path: ..., init_args: {{...}}}}")
+        kind = entry["class_path"].rsplit(".", 1)[-1]
+        args = dict(entry.get("init_args") or {})
+        if kind not in _LOGGER_ARGS:
+            loggers.append(_class_path(entry))
+            continue
+        name, mapping = _LOGGER_ARGS[kind]
+        unknown = sorted(set(args) - set(mapping))
+        if unknown:
+            raise ConfigError(f"{kind} init_args {unknown} have no unifit counterpart; remove them")
+        spec: dict[str, Any] = {"name": name}
+        for arg, option in mapping.items():
+            if option is not None and args.get(arg) is not None:
+                spec[option] = args[arg]
+        if name == "tensorboard" and args.get("save_dir"):
+            out.setdefault("tensorboard", {})["log_dir"] = str(args["save_dir"])
+        if name == "csv" and "path" in spec:
+            spec["path"] = f"{str(spec['path']).rstrip('/')}/metrics.csv"
+        if name == "mlflow":
+            spec["log_checkpoints"] = bool(spec.get("log_checkpoints"))
+        if name == "wandb":
+            spec["log_checkpoints"] = bool(spec.get("log_checkpoints"))
+            if isinstance(spec.get("mode"), bool):  # offline: true / false
+                spec["mode"] = "offline" if spec["mode"] else "online"
+        loggers.append(spec)
+    out["loggers"] = loggers
 
 
 def _callbacks(value: Any, out: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ callback on rank 0 (connector.py). Each logger is one file; `build_loggers` make
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from unifit._imports import load_object
@@ -23,30 +24,31 @@ LOGGERS = {
 }
 
 
-def build_loggers(cfg: TrainerConfig) -> list[Logger]:
-    """The run's loggers, made on every rank (only rank 0 starts them); backends import when started."""
+def build_loggers(cfg: TrainerConfig, objects: Sequence[Any] = ()) -> list[Logger]:
+    """The run's loggers, made on every rank (only rank 0 starts them); backends import when started. `objects`:
+    logger instances given to Trainer(loggers=[...]), after the ones named in the config."""
+    from unifit.config.init_args import build
+
     made: list[Logger] = []
     for i, spec in enumerate(cfg.logger_specs):
         field = f"trainer.loggers[{i}]"
         if isinstance(spec, ClassPath):
-            made.append(_user_logger(spec, field))
+            made.append(_as_logger(build(spec.class_path, spec.init_args, field), field))
         else:
             logger = load_object(LOGGERS[spec.name], field=field).from_config(spec, cfg)
             logger.field = field
             made.append(logger)
-    return made
+    return made + [_as_logger(obj, f"Trainer(loggers=[...]) item {i}") for i, obj in enumerate(objects)]
 
 
-def _user_logger(spec: ClassPath, field: str) -> Logger:
-    from unifit.config.init_args import build
+def _as_logger(made: Any, field: str) -> Logger:
     from unifit.loggers.foreign import LightningLoggerAdapter
 
-    made: Any = build(spec.class_path, spec.init_args, field)
     if isinstance(made, Logger):
         return made
     if callable(getattr(made, "log_metrics", None)) and callable(getattr(made, "log_hyperparams", None)):
         return LightningLoggerAdapter(made)
     raise ConfigError(
-        f"{field}.class_path: received {spec.class_path}, which is neither a unifit.loggers.Logger nor a Lightning "
+        f"{field}: received a {type(made).__name__}, which is neither a unifit.loggers.Logger nor a Lightning "
         "logger (log_metrics and log_hyperparams); subclass unifit.loggers.Logger"
     )

@@ -66,7 +66,7 @@ class BackgroundSender:
 
     def _next_run(self) -> tuple[str, list[Any]]:
         kind = self._queue[0][0]
-        run = []
+        run: list[Any] = []
         for k, record in self._queue:
             if k != kind or len(run) == self.max_run:
                 break

@@ -49,7 +49,8 @@ class Trainer:
 
     Keyword arguments are the fields of TrainerConfig (see docs/config.md); `callbacks` may
     also hold Callback instances, Lightning callbacks (docs/lightning.md#callbacks) and Keras callbacks
-    (docs/keras.md#keras-callbacks-and-modelfits-arguments).
+    (docs/keras.md#keras-callbacks-and-modelfits-arguments); `loggers` unifit.loggers.Logger instances and
+    Lightning loggers (docs/loggers.md).
     """
 
     def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
@@ -60,6 +61,10 @@ class Trainer:
         objects = [c for c in given if not isinstance(c, (dict, str))]
         if objects:
             kwargs["callbacks"] = [c for c in given if isinstance(c, (dict, str))]
+        named = kwargs.get("loggers")  # logger objects (unifit's or Lightning's) beside names and options
+        self.logger_objects: list[Any] = [lg for lg in named or [] if not isinstance(lg, (dict, str))]
+        if self.logger_objects:
+            kwargs["loggers"] = [lg for lg in named if isinstance(lg, (dict, str))]
         if config is not None and kwargs:
             raise ConfigError("Trainer(config, **kwargs): pass either a TrainerConfig or keyword arguments, not both")
         self.config = _launched_strategy(config if config is not None else validate_trainer(kwargs))
@@ -119,7 +124,7 @@ class Trainer:
         dispatch: Dispatcher | None = None
         try:
             strategy.setup()
-            loggers = build_loggers(cfg)  # on every rank; rank 0 starts them
+            loggers = build_loggers(cfg, self.logger_objects)  # on every rank; rank 0 starts them
             strategy.rank_zero_call(
                 lambda: _check_destinations(cfg, loggers)
             )  # a bad bucket or server stops every rank now
