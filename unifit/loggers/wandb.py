@@ -90,12 +90,15 @@ class WandbLogger(Logger):
         self._run.log({k: float(v) for k, v in metrics.items()}, step=step)
 
     def log_checkpoint(self, path: str) -> None:
-        if self._run is None or not self.log_checkpoints or "://" in path:
+        if self._run is None or not self.log_checkpoints:
             return
         import wandb
 
         artifact = wandb.Artifact(f"checkpoint-{self.run_id}", type="model")
-        artifact.add_dir(path)
+        if "://" in path:  # on S3 (or another store): W&B records a reference, the files stay where they are
+            artifact.add_reference(path)
+        else:
+            artifact.add_dir(path)
         self._run.log_artifact(artifact, aliases=["latest", path.rstrip("/").rsplit("/", 1)[-1]])
 
     def finish(self, status: str) -> None:
