@@ -159,7 +159,7 @@ def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_th
     uri = server.uri.replace("http://", f"http://unifit:{SECRET}@")
     loggers = [
         {"name": "mlflow", "tracking_uri": uri, "experiment": "outage", "log_checkpoints": True},
-        {"name": "wandb", "mode": "offline", "project": "unifit-test"},
+        {"name": "wandb", "mode": "offline", "project": "unifit-test", "log_checkpoints": True},
         "csv",
     ]
     options = dict(
@@ -198,6 +198,8 @@ def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_th
     history = _wandb_history(wandb_dir)
     assert [(s, history[s]["train/loss_step"]) for s in sorted(history) if "train/loss_step" in history[s]] == loss
     (meta,) = [r.run for r in _wandb_records(wandb_dir) if r.WhichOneof("record_type") == "run"]
+    (artifact,) = [r.artifact for r in _wandb_records(wandb_dir) if r.WhichOneof("record_type") == "artifact"]
+    assert artifact.type == "model" and "COMMITTED.json" in {entry.path for entry in artifact.manifest.contents}
     config = {u.key: json.loads(u.value_json) for u in meta.config.update}
     assert config["trainer.max_epochs"] == 4 and SECRET not in json.dumps(config)
     for path in (tmp_path / "run").rglob("*"):

@@ -28,12 +28,14 @@ class BackgroundSender:
         *,
         max_run: int = 1000,
         max_backoff_s: float = 10.0,
+        linger_s: float = 1.0,
     ) -> None:
         self._send, self.what = send, what
-        self.max_run, self.max_backoff_s = max_run, max_backoff_s
+        self.max_run, self.max_backoff_s, self.linger_s = max_run, max_backoff_s, linger_s
         self._queue: deque[tuple[str, Any]] = deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._abandoned = False  # close() gave up: the thread sends nothing more (its request in flight aside)
         self._failing = False
         self._thread = threading.Thread(target=self._run, name=f"unifit-{what}", daemon=True)
         self._thread.start()
@@ -42,7 +44,8 @@ class BackgroundSender:
         """Queue one record; returns at once."""
         with self._cond:
             self._queue.append((kind, record))
-            self._cond.notify()
+            if len(self._queue) >= self.max_run:
+                self._cond.notify()
 
     def pending(self) -> int:
         with self._cond:
@@ -54,7 +57,9 @@ class BackgroundSender:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout_s)
-        left = self.pending()
+        with self._cond:
+            self._abandoned = True
+            left = len(self._queue)
         if left:
             log.warning(
                 "%s: %d records were not sent within %.0fs (the server stayed unreachable); they are lost",
@@ -77,14 +82,19 @@ class BackgroundSender:
         backoff = 0.5
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue:
+                # a second's records in one request, and the training thread never woken per record: a step logged
+                # every few ms costs neither a request nor a thread switch each
+                self._cond.wait_for(lambda: len(self._queue) >= self.max_run or self._closing, self.linger_s)
+                if self._abandoned or (self._closing and not self._queue):
                     return
+                if not self._queue:
+                    continue
                 kind, run = self._next_run()
             try:
                 self._send(kind, run)
             except Exception as exc:  # keep training; report once, retry with backoff
+                if self._abandoned:
+                    return
                 if not self._failing:
                     log.warning(
                         "%s failing (%s: %s); training goes on, records are kept and retried",
