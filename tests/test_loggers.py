@@ -326,3 +326,47 @@ def test_a_lightning_cli_files_loggers_become_unifits():
         {"name": "csv", "path": "logs/metrics.csv"},
         {"class_path": "my_pkg.CometLike", "init_args": {"project": "q"}},
     ]
+
+
+@pytest.mark.timeout(120)
+def test_a_unifit_module_logs_through_self_logger(tmp_path):
+    """`self.logger.experiment` in a unifit TrainModule is TensorBoard's SummaryWriter; what it writes is read back
+    with TensorBoard's own reader, beside unifit's scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.probe.probe import ProbeModule
+
+    class Probe(ProbeModule):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                self.logger.experiment.add_histogram("probe/weights", self.net[0].weight.detach(), batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    unifit.Trainer(root_dir=str(tmp_path), max_epochs=2, progress_bar=False, checkpoint={"enabled": False}).fit(Probe())
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0, "scalars": 0})
+    events.Reload()
+    assert "probe/weights" in events.Tags()["histograms"] and len(events.Histograms("probe/weights")) == 2
+    assert [e.value for e in events.Scalars("epoch")] == [1, 2]
+
+
+@pytest.mark.timeout(180)
+def test_a_compiled_keras_model_logs_to_the_same_loggers(server, tmp_path):
+    pytest.importorskip("tensorflow", reason="TensorFlow is in unifit[tf]")
+    from tests.probe.keras_compiled_probe import arrays, compiled_model
+
+    loggers = ["csv", {"name": "mlflow", "tracking_uri": server.uri, "experiment": "keras"}]
+    data = {"train": arrays(32, seed=1), "val": arrays(12, seed=2)}
+    unifit.Trainer(
+        max_epochs=3,
+        batch_size=8,
+        root_dir=str(tmp_path),
+        progress_bar=False,
+        loggers=loggers,
+        tensorboard={"log_every_n_steps": 2},
+    ).fit(compiled_model(), data=data)
+    (run,) = _runs(server.uri, "keras")
+    loss = _history(server.uri, run.info.run_id, "train/loss_step")
+    assert [s for s, _ in loss] == [2, 4, 6, 8, 10, 12] and run.info.status == "FINISHED"
+    _, rows = _csv_rows(tmp_path / "metrics.csv")
+    assert [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r["train/loss_step"]] == loss
+    assert [int(r["epoch"]) for r in rows if r["epoch"]] == [1, 2, 3] and any(r.get("val/loss") for r in rows)
