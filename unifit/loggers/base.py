@@ -104,6 +104,25 @@ class Logger:
         return "/"
 
 
+class TrackedRunLogger(Logger):
+    """A logger whose backend keeps a run by id on a server (MLflow, W&B): the id is kept in every checkpoint, so
+    a resumed fit continues the same run; Lightning reads it as `version`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_id: str | None = None
+
+    @property
+    def version(self) -> str | None:
+        return self.run_id
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id} if self.run_id else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run_id = state.get("run_id", self.run_id)
+
+
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'trainer': {'max_epochs': 10}} -> {'trainer.max_epochs': 10}; lists stay whole."""
     flat: dict[str, Any] = {}

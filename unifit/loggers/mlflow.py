@@ -25,7 +25,7 @@ from typing import Any
 from unifit._imports import require
 from unifit.errors import ConfigError
 from unifit.loggers.background import BackgroundSender
-from unifit.loggers.base import Logger, NoOpExperiment, RunInfo
+from unifit.loggers.base import NoOpExperiment, RunInfo, TrackedRunLogger
 from unifit.storage import filesystem, redact_url
 
 log = logging.getLogger("unifit")
@@ -33,7 +33,7 @@ _PARAM_CHARS = 500  # the longest param value every MLflow server version stores
 _PARAMS_PER_BATCH = 100
 
 
-class MLflowLogger(Logger):
+class MLflowLogger(TrackedRunLogger):
     name = "mlflow"
 
     def __init__(
@@ -49,16 +49,11 @@ class MLflowLogger(Logger):
         self.tracking_uri = tracking_uri
         self.experiment_name, self.run_name, self.tags = experiment, run_name, dict(tags or {})
         self.log_checkpoints, self.flush_timeout_s = log_checkpoints, flush_timeout_s
-        self.run_id: str | None = None
         self.experiment_id: str | None = None
         self._client: Any = None
         self._sender: BackgroundSender | None = None
         self._last_step: dict[str, int] = {}  # on resume: the run's newest step per metric
         self._storage_options: dict[str, Any] = {}
-
-    @property
-    def version(self) -> str | None:  # type: ignore[override]
-        return self.run_id
 
     def _uri(self) -> str:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -164,12 +159,6 @@ class MLflowLogger(Logger):
             self._sender.close(self.flush_timeout_s)
             self._sender = None
         super().finish(status)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id} if self.run_id else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run_id = state.get("run_id", self.run_id)
 
     @property
     def experiment(self) -> Any:

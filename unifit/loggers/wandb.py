@@ -16,10 +16,10 @@ from typing import Any
 
 from unifit._imports import require
 from unifit.errors import ConfigError
-from unifit.loggers.base import Logger, NoOpExperiment, RunInfo
+from unifit.loggers.base import NoOpExperiment, RunInfo, TrackedRunLogger
 
 
-class WandbLogger(Logger):
+class WandbLogger(TrackedRunLogger):
     name = "wandb"
 
     def __init__(
@@ -37,13 +37,8 @@ class WandbLogger(Logger):
         self.project, self.entity, self.run_name, self.group = project, entity, run_name, group
         self.tags, self.mode, self.dir = list(tags or []), mode, dir
         self.log_checkpoints = log_checkpoints
-        self.run_id: str | None = None
         self._run: Any = None
         self._last_step = -1
-
-    @property
-    def version(self) -> str | None:  # type: ignore[override]
-        return self.run_id
 
     def check(self) -> None:
         """Online runs need wandb's login before any process trains (offline runs need nothing)."""
@@ -106,12 +101,6 @@ class WandbLogger(Logger):
             self._run.finish(exit_code=0 if status == "success" else 1)
             self._run = None
         super().finish(status)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id} if self.run_id else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run_id = state.get("run_id", self.run_id)
 
     @property
     def save_dir(self) -> str | None:
