@@ -198,6 +198,13 @@ def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_th
     history = _wandb_history(wandb_dir)
     assert [(s, history[s]["train/loss_step"]) for s in sorted(history) if "train/loss_step" in history[s]] == loss
     (meta,) = [r.run for r in _wandb_records(wandb_dir) if r.WhichOneof("record_type") == "run"]
+    summary = {
+        u.key: json.loads(u.value_json)
+        for r in _wandb_records(wandb_dir)
+        if r.WhichOneof("record_type") == "summary"
+        for u in r.summary.update
+    }
+    assert summary["module_epoch"] == 3  # the module's own write through self.loggers[1].experiment
     (artifact,) = [r.artifact for r in _wandb_records(wandb_dir) if r.WhichOneof("record_type") == "artifact"]
     assert artifact.type == "model" and "COMMITTED.json" in {entry.path for entry in artifact.manifest.contents}
     config = {u.key: json.loads(u.value_json) for u in meta.config.update}
@@ -223,6 +230,15 @@ def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_th
     # the values they had (the resume is exact), in the resumed run's own offline directory
     again_history = {s: v["train/loss_step"] for s, v in _wandb_history(resumed[0]).items() if "train/loss_step" in v}
     assert sorted(again_history) == list(range(18, 49, 2))
+
+    # validating the last checkpoint adds its metrics to the same tracked run, at that checkpoint's step
+    metrics = unifit.Trainer(**options).validate(TrackedRegressor(), ckpt_path="last")
+    (evaluated,) = _runs(server.uri, "outage")
+    assert evaluated.info.run_id == run_id and evaluated.info.status == "FINISHED"
+    val = _history(server.uri, run_id, "val_mse")
+    assert [s for s, _ in val].count(48) == 2 and metrics["val_mse"] in [v for s, v in val if s == 48]
+    _, rows = _csv_rows(tmp_path / "run" / "metrics.csv")
+    assert [int(r["step"]) for r in rows if r["val_mse"]][-2:] == [48, 48]  # kept every row, added one
     assert [again_history[s] for s in range(18, 33, 2)] == pytest.approx([v for s, v in loss if s > 16], rel=1e-5)
 
 
@@ -230,8 +246,12 @@ def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_th
 def test_an_unreachable_server_or_an_unknown_logger_is_one_line_and_exit_2_before_training(tmp_path):
     dead = f"http://unifit:{SECRET}@127.0.0.1:{_free_port()}"
     for loggers, needle in (
-        (f'[{{name: mlflow, tracking_uri: "{dead}"}}]', "trainer.loggers[0].tracking_uri: the MLflow server at"),
-        ("[csv, mlfow]", "mlfow"),
+        (f'[{{name: mlflow, tracking_uri: "{dead}"}}]', "trainer.loggers.0.tracking_uri: the MLflow server at"),
+        (f'[csv, {{name: mlflow, tracking_uri: "{dead}"}}, mlfow]', "item 2: received 'mlfow'"),
+        (
+            "[{name: mlflow, trackin_uri: x}]",
+            "unknown key 'trainer.loggers.0.trackin_uri' (did you mean 'tracking_uri'?)",
+        ),
     ):
         result = run_unifit(
             "fit", "-c", "tests/probe/probe.yaml", "--trainer.root_dir", str(tmp_path), "--trainer.loggers", loggers
@@ -370,3 +390,30 @@ def test_a_compiled_keras_model_logs_to_the_same_loggers(server, tmp_path):
     _, rows = _csv_rows(tmp_path / "metrics.csv")
     assert [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r["train/loss_step"]] == loss
     assert [int(r["epoch"]) for r in rows if r["epoch"]] == [1, 2, 3] and any(r.get("val/loss") for r in rows)
+
+
+@pytest.mark.timeout(60)
+def test_online_wandb_without_a_login_is_one_line_before_training(tmp_path, monkeypatch):
+    from unifit.errors import ConfigError
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    trainer = unifit.Trainer(root_dir=str(tmp_path), max_epochs=1, progress_bar=False, loggers=[{"name": "wandb"}])
+    with pytest.raises(ConfigError, match=r"trainer.loggers.0: mode 'online' and no wandb login"):
+        trainer.fit(Regressor())
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "wandb").exists()
+
+
+def test_a_checkpoints_run_missing_on_the_server_is_a_warning_and_a_new_run(server, tmp_path, caplog):
+    from unifit.loggers.base import RunInfo
+    from unifit.loggers.mlflow import MLflowLogger
+
+    logger = MLflowLogger(tracking_uri=server.uri, experiment="moved")
+    logger.load_state_dict({"run_id": "0" * 32})  # e.g. a checkpoint from another tracking server
+    logger.start(RunInfo(str(tmp_path), {"trainer.max_epochs": 1}, resumed_at_step=8, storage_options={}))
+    logger.log_metrics({"loss": 0.5}, 9)
+    logger.finish("success")
+    (run,) = _runs(server.uri, "moved")
+    assert run.info.run_id == logger.run_id != "0" * 32 and "is not on" in caplog.text
+    assert _history(server.uri, logger.run_id, "loss") == [(9, 0.5)]

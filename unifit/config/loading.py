@@ -172,10 +172,10 @@ def _field_path(model: type[BaseModel], loc: list[str]) -> list[str]:
 
 
 def _explain_one(err: Any, model: type[BaseModel], prefix: str) -> str:
-    loc = [str(p) for p in err["loc"]]
+    loc, member = _without_union_tag([str(p) for p in err["loc"]])
     field = prefix + ".".join(loc)
     if err["type"] == "extra_forbidden":
-        parent = _model_at(model, loc[:-1])
+        parent = member or _model_at(model, loc[:-1])
         hint = ""
         if parent is TrainerConfig and loc[-1] in _LIGHTNING_NAMES:
             return f"unknown key '{field}' (Lightning's name; unifit's is {_LIGHTNING_NAMES[loc[-1]]}); rename it"
@@ -189,13 +189,24 @@ def _explain_one(err: Any, model: type[BaseModel], prefix: str) -> str:
         return f"unknown key '{field}'{hint}; remove it or fix its name"
     if err["type"] == "missing":
         return f"'{field}' is required but missing; add it to the config"
-    received = err.get("input")
-    if any("storage_options" in str(p) for p in loc):
+    received = _without_url_credentials(err.get("input"))
+    if any(p in ("storage_options", "loggers") for p in loc):
         from unifit.storage import redact
 
         received = redact(received)
     msg = err["msg"].removeprefix("Value error, ")
     return f"'{field}' received {received!r}: {msg}; fix the value of {field}"
+
+
+def _without_union_tag(loc: list[str]) -> tuple[list[str], type[BaseModel] | None]:
+    """'loggers.0.mlflow.trackin_uri' (pydantic names the union member it chose) as 'loggers.0.trackin_uri', and
+    that member's model, for its 'did you mean'."""
+    from unifit.config.schema import LOGGER_MODELS
+
+    for i in range(len(loc) - 2):
+        if loc[i] == "loggers" and loc[i + 1].isdigit() and loc[i + 2] in LOGGER_MODELS:
+            return loc[: i + 2] + loc[i + 3 :], LOGGER_MODELS[loc[i + 2]]
+    return loc, None
 
 
 def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:

@@ -146,9 +146,6 @@ class WandbLoggerConfig(_Strict):
     log_checkpoints: bool = Field(False, description="Log the last checkpoint as a model artifact when fit ends.")
 
 
-_LOGGER_NAMES = ("tensorboard", "csv", "mlflow", "wandb")
-
-
 def _logger_kind(value: Any) -> str | None:
     if isinstance(value, str):
         return value
@@ -157,6 +154,13 @@ def _logger_kind(value: Any) -> str | None:
     return "class_path" if isinstance(value, ClassPath) else getattr(value, "name", None)
 
 
+LOGGER_MODELS: dict[str, type[BaseModel]] = {
+    "tensorboard": TensorBoardLoggerConfig,
+    "csv": CSVLoggerConfig,
+    "mlflow": MLflowLoggerConfig,
+    "wandb": WandbLoggerConfig,
+    "class_path": ClassPath,
+}
 LoggerSpec = Annotated[
     Annotated[TensorBoardLoggerConfig, Tag("tensorboard")]
     | Annotated[CSVLoggerConfig, Tag("csv")]
@@ -365,9 +369,9 @@ class TrainerConfig(_Strict):
         items = []
         for i, item in enumerate(value):
             kind = _logger_kind(item)
-            if kind not in (*_LOGGER_NAMES, "class_path"):
+            if kind not in LOGGER_MODELS:
                 raise ValueError(
-                    f"item {i}: received {item!r}; a logger is one of {', '.join(_LOGGER_NAMES)}, "
+                    f"item {i}: received {item!r}; a logger is one of {', '.join(list(LOGGER_MODELS)[:-1])}, "
                     "a name with options ({name: mlflow, tracking_uri: ...}) or {class_path: pkg.module:MyLogger}"
                 )
             items.append({"name": item} if isinstance(item, str) else item)

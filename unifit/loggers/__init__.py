@@ -31,7 +31,7 @@ def build_loggers(cfg: TrainerConfig, objects: Sequence[Any] = ()) -> list[Logge
 
     made: list[Logger] = []
     for i, spec in enumerate(cfg.logger_specs):
-        field = f"trainer.loggers[{i}]"
+        field = f"trainer.loggers.{i}"
         if isinstance(spec, ClassPath):
             made.append(_as_logger(build(spec.class_path, spec.init_args, field), field))
         else:

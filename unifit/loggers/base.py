@@ -23,12 +23,14 @@ class NoOpExperiment:
 @dataclass
 class RunInfo:
     """What a logger starts from: the run's directory, its resolved config (secrets redacted) as a flat
-    {'trainer.max_epochs': 10, ...} mapping, and where a resumed run continues."""
+    {'trainer.max_epochs': 10, ...} mapping, where a resumed run continues, or whether an evaluation adds its
+    metrics to a run (the tracked run of the checkpoint it evaluates)."""
 
     root_dir: str
     hyperparameters: dict[str, Any]
     resumed_at_step: int | None  # the checkpoint's global step; None for a fresh run
     storage_options: dict[str, Any]
+    adds_to_run: bool = False  # validate/test of a checkpoint: add to what its run recorded, drop nothing
 
 
 class Logger:

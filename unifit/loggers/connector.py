@@ -50,6 +50,18 @@ class LoggerConnector(Callback):
             logger.log_text(ctx.resolved_config, "config.yaml")
         self._next_step = (ctx.state.global_step // self.every + 1) * self.every
 
+    def start_evaluation(self, run: RunInfo, checkpoint_state: Any) -> None:
+        """validate/test (rank 0), before the first batch: the loggers open the tracked run the evaluated checkpoint
+        belongs to (its ids are in `checkpoint_state`, the checkpoint's state of this callback), else a new one;
+        `log_evaluation` records the metrics, `finish` closes them."""
+        self.load_state_dict(checkpoint_state or {})
+        for logger in self.loggers:
+            logger.start(run)
+
+    def log_evaluation(self, metrics: dict[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step)
+
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         step = ctx.state.global_step
         if step < self._next_step or not self.loggers:
@@ -77,12 +89,15 @@ class LoggerConnector(Callback):
         self._status = "failed"
 
     def on_teardown(self, ctx: Any) -> None:
+        self.finish(self._status)
+
+    def finish(self, status: str) -> None:
         """Every logger is finished, even when one of them fails to."""
         for logger in self.loggers:
             if not logger.started:
                 continue
             try:
-                logger.finish(self._status)
+                logger.finish(status)
             except Exception as exc:  # the run's own outcome matters more than a logger's
                 log.warning("%s logger did not finish cleanly: %s: %s", logger.name, type(exc).__name__, exc)
 

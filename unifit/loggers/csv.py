@@ -33,10 +33,12 @@ class CSVLogger(Logger):
         self._fs, self._file = filesystem(self.path, run.storage_options)
         protocols = self._fs.protocol if isinstance(self._fs.protocol, (tuple, list)) else (self._fs.protocol,)
         self._appends = bool({"file", "local"} & set(protocols))  # an object store rewrites the file instead
-        if run.resumed_at_step is not None and self._fs.exists(self._file):
+        continues = run.resumed_at_step is not None or run.adds_to_run
+        if continues and self._fs.exists(self._file):
             columns, rows = self._read()
             self._columns = columns
-            self._rewrite([row for row in rows if int(float(row["step"])) <= run.resumed_at_step])
+            last = run.resumed_at_step if run.resumed_at_step is not None else float("inf")
+            self._rewrite([row for row in rows if int(float(row["step"])) <= last])
         else:
             self._fs.makedirs(self._file.rsplit("/", 1)[0], exist_ok=True)
             self._fs.pipe_file(self._file, b"")

@@ -94,11 +94,11 @@ class MLflowLogger(TrackedRunLogger):
         self._storage_options = run.storage_options
         self._client = client = MlflowClient(self._uri())
         known: dict[str, Any] = {}
-        if self.run_id is not None:  # resumed: the same run
-            tracked = client.get_run(self.run_id)
+        tracked = self._tracked_run(client) if self.run_id is not None else None
+        if tracked is not None:  # resumed: the same run
             self.experiment_id = tracked.info.experiment_id
             known = dict(tracked.data.params)
-            for key in tracked.data.metrics:
+            for key in tracked.data.metrics if run.resumed_at_step is not None else ():  # a fit goes on
                 self._last_step[key] = max((m.step for m in client.get_metric_history(self.run_id, key)), default=-1)
             client.update_run(self.run_id, status="RUNNING")
         else:
@@ -109,6 +109,23 @@ class MLflowLogger(TrackedRunLogger):
         super().start(run)
         self._sender = BackgroundSender(self._send, f"mlflow logging to {redact_url(self._uri())}")
         log.info("mlflow: run %s in experiment %r", self.run_id, self.experiment_name)
+
+    def _tracked_run(self, client: Any) -> Any:
+        """The checkpoint's run on this server; a run that is not there (another server, deleted) is a warning and
+        a new run, since tracking never stops training."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return client.get_run(self.run_id)
+        except MlflowException as exc:
+            log.warning(
+                "mlflow: the checkpoint's run %s is not on %s (%s); logging to a new run",
+                self.run_id,
+                redact_url(self._uri()),
+                redact_url(str(exc).splitlines()[0][:200]),
+            )
+            self.run_id = None
+            return None
 
     def _log_params(self, hyperparameters: dict[str, Any], known: dict[str, Any]) -> None:
         """Params cannot change in MLflow: a resumed run adds only the names it did not have."""

@@ -71,18 +71,20 @@ class WandbLogger(TrackedRunLogger):
             reinit="create_new",
         )
         self.run_id = self._run.id
-        if run.resumed_at_step is not None:  # wandb keeps steps increasing: online it knows the run's last one
-            self._last_step = max(run.resumed_at_step, int(getattr(self._run, "step", 0) or 0) - 1)
+        if run.resumed_at_step is not None or run.adds_to_run:  # online, wandb knows the run's last step
+            self._last_step = max(run.resumed_at_step or 0, int(getattr(self._run, "step", 0) or 0) - 1)
         super().start(run)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._run is None:
             return
         step = step or 0
-        if step < self._last_step:
+        values = {k: float(v) for k, v in metrics.items()}
+        if step < self._last_step:  # W&B keeps a run's steps increasing: a test of an earlier checkpoint, say
+            self._run.summary.update(values)
             return
         self._last_step = step
-        self._run.log({k: float(v) for k, v in metrics.items()}, step=step)
+        self._run.log(values, step=step)
 
     def log_checkpoint(self, path: str) -> None:
         if self._run is None or not self.log_checkpoints:

@@ -15,9 +15,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
+from unifit.loggers import LoggerConnector, RunInfo
+from unifit.loggers.base import flatten
 from unifit.trainer.adapt import prepare, set_up
 
 log = logging.getLogger("unifit")
@@ -43,17 +47,24 @@ def evaluate(
     ckpt_path: str | None = None,
     callbacks: list[Any] | None = None,
     keep_predictions: bool = True,
+    loggers: list[Any] | None = None,
+    resolved_config: str = "{}",
 ) -> Evaluation:
     """`callbacks`: the Trainer's Lightning callbacks (their hooks of this stage run around the module's);
-    `keep_predictions=False`: predictions are not gathered to rank 0 (a prediction writer saves each rank's)."""
+    `keep_predictions=False`: predictions are not gathered to rank 0 (a prediction writer saves each rank's);
+    `loggers`: validate/test metrics go to them (rank 0), in the tracked run of the checkpoint evaluated."""
     if stage not in STAGES:
         raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
     prepared = prepare(config, module, data, callbacks)
     config = prepared.plan.config
     module, strategy, engine = set_up(config, prepared.module, prepared.data)
     result = Evaluation(stage)
+    logging_to = LoggerConnector(loggers or [], config.tensorboard.log_every_n_steps)
+    status = "failed"
     try:
         strategy.setup()
+        strategy.rank_zero_call(lambda: [logger.check() for logger in logging_to.loggers])  # unreachable: now
+        module.use_loggers(logging_to.loggers)
         engine.seed(config.seed)
         engine.setup_evaluation(stage)
         if ckpt_path:
@@ -68,6 +79,10 @@ def evaluate(
             module.evaluation_weights(snapshot.callbacks)
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
+        step = snapshot.trainer.global_step if ckpt_path else 0
+        if strategy.is_global_zero and logging_to.loggers:  # open before the first batch: self.logger writes
+            states = snapshot.callbacks.get("Loggers") if ckpt_path else None
+            logging_to.start_evaluation(_run_info(config, resolved_config, bool(ckpt_path)), states)
         engine.collector.reset()
         module.enter_evaluation(stage)
         module.on_evaluation_start(stage)
@@ -85,10 +100,27 @@ def evaluate(
         if stage != "predict":  # what on_<stage>_epoch_end logged (a LightningModule's), reduced over the ranks
             result.metrics.update(engine.collector.reduce(strategy))
         module.exit_evaluation(stage)  # the modes from before (a LightningModule: on_<stage>_model_train), teardown
+        if strategy.is_global_zero:
+            logging_to.log_evaluation(result.metrics, step)
+        status = "success"
         return result
     finally:
-        engine.close()
-        strategy.teardown()
+        try:
+            if strategy.is_global_zero:
+                logging_to.finish(status)
+        finally:
+            engine.close()
+            strategy.teardown()
+
+
+def _run_info(config: TrainerConfig, resolved_config: str, adds_to_run: bool) -> RunInfo:
+    return RunInfo(
+        root_dir=config.root_dir,
+        hyperparameters=flatten(yaml.safe_load(resolved_config) or {}),
+        resumed_at_step=None,
+        storage_options=config.storage_options,
+        adds_to_run=adds_to_run,
+    )
 
 
 def _in_dataset_order(strategy: Any, engine: Any, samples: list[Any], loader: int = 0) -> Any:

@@ -233,7 +233,11 @@ class Trainer:
         keep_predictions: bool = True,
     ) -> Any:
         data, ckpt_path = passed_data(stage, data, ckpt_path, datamodule, **{STAGE_SLOT[stage]: dataloaders})
-        return evaluate(self.config, stage, module, data, ckpt_path, self.foreign_callbacks, keep_predictions)
+        loggers = build_loggers(self.config, self.logger_objects) if stage != "predict" else []
+        resolved = self._resolved_config(module, self.config)
+        return evaluate(
+            self.config, stage, module, data, ckpt_path, self.foreign_callbacks, keep_predictions, loggers, resolved
+        )
 
     def save_checkpoint(
         self, name: str | None = None, after_commit: Callable[[CheckpointStore, str], None] | None = None
