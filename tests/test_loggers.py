@@ -252,6 +252,7 @@ def test_an_unreachable_server_or_an_unknown_logger_is_one_line_and_exit_2_befor
             "[{name: mlflow, trackin_uri: x}]",
             "unknown key 'trainer.loggers.0.trackin_uri' (did you mean 'tracking_uri'?)",
         ),
+        (f'[{{name: mlfow, tracking_uri: "{dead}"}}]', "item 0: received"),
     ):
         result = run_unifit(
             "fit", "-c", "tests/probe/probe.yaml", "--trainer.root_dir", str(tmp_path), "--trainer.loggers", loggers
@@ -291,7 +292,7 @@ def test_lightning_loggers_run_as_they_are_and_unifits_csv_matches_lightnings(tm
 
     class Module(Regressor):
         def on_train_epoch_end(self) -> None:
-            seen.append((type(self.logger).__name__, len(self.loggers), self.logger.log_dir))
+            seen.append((type(self.logger).__module__, len(self.loggers), self.logger.log_dir))
 
     lightning_csv = CSVLogger(tmp_path / "lightning")
     trainer = unifit.Trainer(
@@ -308,9 +309,12 @@ def test_lightning_loggers_run_as_they_are_and_unifits_csv_matches_lightnings(tm
     theirs = _csv_rows(Path(lightning_csv.log_dir) / "metrics.csv")
     assert ours == theirs and ours[1]  # same header, same rows
     assert [int(r["step"]) for r in ours[1] if r["train/loss_step"]] == [3, 6, 9, 12, 15]
+    trainer.validate(Module())  # after the fit, into the fit's loggers: rows are added, none dropped
+    header, after = _csv_rows(tmp_path / "run" / "metrics.csv")
+    assert after[: len(ours[1])] == ours[1] and len(after) == len(ours[1]) + 1 and after[-1]["step"] == "16"
     hparams = (Path(lightning_csv.log_dir) / "hparams.yaml").read_text()
     assert "trainer.max_epochs: 2" in hparams  # the resolved config, once
-    assert seen == [("CSVLogger", 2, str(tmp_path / "run"))] * 2
+    assert seen == [("unifit.loggers.csv", 2, str(tmp_path / "run"))] * 2
 
 
 def test_a_lightning_cli_files_loggers_become_unifits():
@@ -417,3 +421,46 @@ def test_a_checkpoints_run_missing_on_the_server_is_a_warning_and_a_new_run(serv
     (run,) = _runs(server.uri, "moved")
     assert run.info.run_id == logger.run_id != "0" * 32 and "is not on" in caplog.text
     assert _history(server.uri, logger.run_id, "loss") == [(9, 0.5)]
+
+
+def test_a_resumed_run_sends_again_only_what_differs_and_names_lose_what_mlflow_refuses(server, tmp_path):
+    """After a resume, a point the run already has is sent again only with another value (resumed with other
+    settings); a name MLflow refuses loses those characters instead of holding up every record after it."""
+    from unifit.loggers.base import RunInfo
+    from unifit.loggers.mlflow import MLflowLogger
+
+    first = MLflowLogger(tracking_uri=server.uri, experiment="values")
+    first.start(RunInfo(str(tmp_path), {"a": 1}, resumed_at_step=None, storage_options={}))
+    for step in (1, 2, 3, 4):
+        first.log_metrics({"loss": float(step)}, step)
+    first.finish("success")
+    again = MLflowLogger(tracking_uri=server.uri, experiment="values")
+    again.load_state_dict(first.state_dict())
+    again.start(RunInfo(str(tmp_path), {"a": 1}, resumed_at_step=2, storage_options={}))
+    again.log_metrics({"loss": 3.0, "acc@1": 0.5}, 3)  # the same value at step 3; a name with '@'
+    again.log_metrics({"loss": 40.0}, 4)  # another value at step 4
+    again.finish("success")
+    assert _history(server.uri, first.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (4, 40.0)]
+    assert _history(server.uri, first.run_id, "acc1") == [(3, 0.5)]
+
+
+def test_no_op_experiments_take_lightnings_idioms_and_a_module_keeps_its_own_logger():
+    import logging as stdlib_logging
+
+    from tests.probe.probe import ProbeModule
+    from unifit.loggers.base import NoOpExperiment
+
+    experiment = NoOpExperiment()
+    experiment.add_image("x", None, 0)
+    experiment.summary["k"] = 1
+    experiment["runs"].append(3)
+    assert experiment.anything.deeper(1)[0] is experiment
+
+    class OwnLogger(ProbeModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.logger = stdlib_logging.getLogger("mine")
+
+    module = OwnLogger()
+    module.use_loggers(["run's"])
+    assert module.logger is stdlib_logging.getLogger("mine") and module.loggers == ["run's"]

@@ -18,9 +18,29 @@ import fsspec
 
 from unifit.errors import ConfigError, first_line
 
-_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s]+@")
 _SECRET = re.compile(r"(secret|password|token|key|credential)", re.IGNORECASE)
 _PROTOCOL_EXTRA = {"s3": "s3", "s3a": "s3"}
+
+
+# names that hold a secret wherever they are in an experiment (module/data init_args too): strict, so that
+# `tokenizer` or `num_tokens` stay readable
+_SECRET_NAME = re.compile(
+    r"(^|_)(secret|password|passwd|token|api_key|apikey|access_key|secret_key|private_key|credentials?)$", re.I
+)
+
+
+def redact_secret_names(value: Any) -> Any:
+    """A copy with the values of keys named like secrets (`api_key`, `hf_token`, `password`...) as '***', and
+    credentials inside URLs hidden, anywhere in nested dicts and lists."""
+    if isinstance(value, dict):
+        return {
+            k: ("***" if _SECRET_NAME.search(str(k)) and not isinstance(v, dict) else redact_secret_names(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [redact_secret_names(v) for v in value]
+    return redact_url(value) if isinstance(value, str) else value
 
 
 def redact(options: Any) -> Any:

@@ -386,7 +386,10 @@ def _run_script(script: list[str]) -> int:
 
 
 def _exit_with(message: str, code: int) -> int:
+    from unifit.storage import redact_url
+
     env = _launched_environment()
+    message = redact_url(message)  # a tracking or storage URL in an error may carry credentials
     sys.stderr.write(error_prefix(env.rank) + message.replace("\n", " ") + "\n")  # one write: ranks share the terminal
     if env.source != "none":  # a launched rank: skip interpreter shutdown, where a torn-down gloo
         sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher

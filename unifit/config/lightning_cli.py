@@ -329,6 +329,8 @@ def _logger(value: Any, out: dict[str, Any]) -> None:
             spec["path"] = f"{str(spec['path']).rstrip('/')}/metrics.csv"
         if name == "mlflow":
             spec["log_checkpoints"] = bool(spec.get("log_checkpoints"))
+            if "tracking_uri" not in spec:  # Lightning's: a file store in save_dir (./mlruns)
+                spec["tracking_uri"] = f"file:{args.get('save_dir') or './mlruns'}"
         if name == "wandb":
             spec["log_checkpoints"] = bool(spec.get("log_checkpoints"))
             if isinstance(spec.get("mode"), bool):  # offline: true / false

@@ -189,10 +189,10 @@ def _explain_one(err: Any, model: type[BaseModel], prefix: str) -> str:
         return f"unknown key '{field}'{hint}; remove it or fix its name"
     if err["type"] == "missing":
         return f"'{field}' is required but missing; add it to the config"
-    received = _without_url_credentials(err.get("input"))
-    if any(p in ("storage_options", "loggers") for p in loc):
-        from unifit.storage import redact
+    from unifit.storage import redact, redact_secret_names
 
+    received = redact_secret_names(err.get("input"))
+    if any(p in ("storage_options", "loggers") for p in loc):
         received = redact(received)
     msg = err["msg"].removeprefix("Value error, ")
     return f"'{field}' received {received!r}: {msg}; fix the value of {field}"
@@ -224,23 +224,12 @@ def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
     return current
 
 
-def _without_url_credentials(value: Any) -> Any:
-    """Every 'scheme://user:secret@host' in the config, wherever it is, as 'scheme://***@host'."""
-    from unifit.storage import redact_url
-
-    if isinstance(value, dict):
-        return {k: _without_url_credentials(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_without_url_credentials(v) for v in value]
-    return redact_url(value) if isinstance(value, str) else value
-
-
 def resolved_yaml(config: ExperimentConfig) -> str:
     """The fully resolved config as YAML (what print-config shows and each run saves), secrets redacted."""
-    from unifit.storage import redact
+    from unifit.storage import redact, redact_secret_names
 
     data = config.model_dump(mode="json")
     data["trainer"]["storage_options"] = redact(data["trainer"]["storage_options"])
     data["trainer"]["loggers"] = redact(data["trainer"]["loggers"])  # a custom logger's api_key, say
-    data = _without_url_credentials(data)
+    data = redact_secret_names(data)  # module/data init_args' api_key, hf_token...; URL credentials anywhere
     return yaml.dump(data, Dumper=_Yaml12Dumper, sort_keys=False)

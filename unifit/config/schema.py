@@ -370,8 +370,10 @@ class TrainerConfig(_Strict):
         for i, item in enumerate(value):
             kind = _logger_kind(item)
             if kind not in LOGGER_MODELS:
+                from unifit.storage import redact
+
                 raise ValueError(
-                    f"item {i}: received {item!r}; a logger is one of {', '.join(list(LOGGER_MODELS)[:-1])}, "
+                    f"item {i}: received {redact(item)!r}; a logger is one of {', '.join(list(LOGGER_MODELS)[:-1])}, "
                     "a name with options ({name: mlflow, tracking_uri: ...}) or {class_path: pkg.module:MyLogger}"
                 )
             items.append({"name": item} if isinstance(item, str) else item)

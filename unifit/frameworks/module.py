@@ -141,8 +141,15 @@ class ModuleBase:
 
     @property
     def logger(self) -> Any:
-        """The first of `loggers` (None when the run logs nowhere), as Lightning's `self.logger`."""
+        """The first of `loggers` (None when the run logs nowhere), as Lightning's `self.logger`; a module that
+        sets its own `self.logger` (a logging.Logger, say) keeps it."""
+        if "_own_logger" in self.__dict__:
+            return self.__dict__["_own_logger"]
         return self.loggers[0] if self.loggers else None
+
+    @logger.setter
+    def logger(self, value: Any) -> None:
+        self.__dict__["_own_logger"] = value
 
     def use_callbacks(self, running: list[Any], every: list[Any]) -> None:
         """The run's Lightning callbacks: `running` are run as they are, which a LightningModule's run does."""

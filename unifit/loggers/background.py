@@ -20,6 +20,11 @@ from unifit.storage import redact_url
 log = logging.getLogger("unifit")
 
 
+class Rejected(Exception):
+    """Raised by a logger's `send` when the server refuses the records for good (a deleted run, a bad value):
+    they are dropped with a warning instead of being retried in front of everything that follows."""
+
+
 class BackgroundSender:
     def __init__(
         self,
@@ -29,13 +34,17 @@ class BackgroundSender:
         max_run: int = 1000,
         max_backoff_s: float = 10.0,
         linger_s: float = 1.0,
+        max_queued: int = 500_000,
     ) -> None:
         self._send, self.what = send, what
         self.max_run, self.max_backoff_s, self.linger_s = max_run, max_backoff_s, linger_s
+        self.max_queued = max_queued  # an outage of hours at most: past it the oldest records go, with a warning
+        self._dropped = 0
         self._queue: deque[tuple[str, Any]] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self._abandoned = False  # close() gave up: the thread sends nothing more (its request in flight aside)
+        self._inflight = 0  # records taken off the queue, being sent
         self._failing = False
         self._thread = threading.Thread(target=self._run, name=f"unifit-{what}", daemon=True)
         self._thread.start()
@@ -44,12 +53,17 @@ class BackgroundSender:
         """Queue one record; returns at once."""
         with self._cond:
             self._queue.append((kind, record))
+            if len(self._queue) > self.max_queued:
+                self._queue.popleft()
+                self._dropped += 1
+                if self._dropped == 1:
+                    log.warning("%s: more than %d records waiting; dropping the oldest", self.what, self.max_queued)
             if len(self._queue) >= self.max_run:
                 self._cond.notify()
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._queue)
+            return len(self._queue) + self._inflight
 
     def close(self, timeout_s: float) -> int:
         """Stop after the queue is sent or `timeout_s` passed; returns how many records were not sent."""
@@ -59,7 +73,7 @@ class BackgroundSender:
         self._thread.join(timeout_s)
         with self._cond:
             self._abandoned = True
-            left = len(self._queue)
+            left = len(self._queue) + self._inflight
         if left:
             log.warning(
                 "%s: %d records were not sent within %.0fs (the server stayed unreachable); they are lost",
@@ -90,8 +104,13 @@ class BackgroundSender:
                 if not self._queue:
                     continue
                 kind, run = self._next_run()
+                for _ in run:  # in flight: out of the queue, so a full queue's dropping never touches it
+                    self._queue.popleft()
+                self._inflight = len(run)
             try:
                 self._send(kind, run)
+            except Rejected as exc:  # refused for good: drop them, the rest goes on
+                log.warning("%s: the server refused %d %s records (%s); dropped", self.what, len(run), kind, exc)
             except Exception as exc:  # keep training; report once, retry with backoff
                 if self._abandoned:
                     return
@@ -103,12 +122,14 @@ class BackgroundSender:
                         redact_url(str(exc).splitlines()[0][:300]) if str(exc) else "",
                     )
                 self._failing = True
+                with self._cond:  # back in front, in order
+                    self._queue.extendleft(reversed([(kind, record) for record in run]))
+                    self._inflight = 0
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
                 continue
             with self._cond:
-                for _ in run:
-                    self._queue.popleft()
+                self._inflight = 0
             if self._failing:
                 log.warning("%s recovered; caught up", self.what)
             self._failing, backoff = False, 0.5

@@ -14,10 +14,19 @@ from typing import Any
 
 
 class NoOpExperiment:
-    """`experiment` where nothing is written: every attribute a method that does nothing."""
+    """`experiment` where nothing is written, as Lightning's dummy experiment: any attribute, call, item or item
+    assignment does nothing and gives this object back (`experiment.add_image(...)`, `experiment.summary[k] = v`)."""
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    def __getitem__(self, key: Any) -> Any:
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None: ...
 
 
 @dataclass

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from unifit.loggers.base import Logger, RunInfo
+from unifit.loggers.base import Logger, NoOpExperiment, RunInfo
 
 
 class LightningLoggerAdapter(Logger):
     def __init__(self, logger: Any) -> None:
         super().__init__()
         self.logger = logger
-        self.name = str(getattr(logger, "name", None) or type(logger).__name__)
+        # the class name, not the logger's `name`: reading that may open its run (MLFlowLogger), on any rank
+        self.name = type(logger).__name__
 
     def start(self, run: RunInfo) -> None:
         super().start(run)
@@ -27,7 +28,6 @@ class LightningLoggerAdapter(Logger):
         self.logger.save()
 
     def finish(self, status: str) -> None:
-        self.logger.save()
         self.logger.finalize(status)
         super().finish(status)
 
@@ -45,7 +45,9 @@ class LightningLoggerAdapter(Logger):
 
     @property
     def experiment(self) -> Any:
-        return self.logger.experiment
+        """Its own on rank 0; elsewhere a no-op (Lightning's rank check may not know the rank, under horovod)."""
+        return self.logger.experiment if self.started else NoOpExperiment()
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        self.logger.log_hyperparams(params, *args, **kwargs)
+        if self.started:
+            self.logger.log_hyperparams(params, *args, **kwargs)

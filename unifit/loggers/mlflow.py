@@ -14,23 +14,40 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import os
+import re
 import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 from unifit._imports import require
 from unifit.errors import ConfigError
-from unifit.loggers.background import BackgroundSender
+from unifit.loggers.background import BackgroundSender, Rejected
 from unifit.loggers.base import NoOpExperiment, RunInfo, TrackedRunLogger
 from unifit.storage import filesystem, redact_url
 
 log = logging.getLogger("unifit")
 _PARAM_CHARS = 500  # the longest param value every MLflow server version stores
 _PARAMS_PER_BATCH = 100
+_METRIC_NAME = re.compile(r"[^a-zA-Z0-9_/. \-]+")  # what MLflow refuses in a metric name
+_REFUSED = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST", "INVALID_STATE"}
+
+
+def _retrying(call: Callable[[], Any], attempts: int = 5) -> Any:
+    """A start-up call to the server, retried with backoff (1, 2, 4, 8 s) unless the server refused it for good."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(attempts):
+        try:
+            return call()
+        except MlflowException as exc:
+            if exc.error_code in _REFUSED or exc.error_code == "RESOURCE_ALREADY_EXISTS" or attempt == attempts - 1:
+                raise
+            time.sleep(2**attempt)
 
 
 class MLflowLogger(TrackedRunLogger):
@@ -52,7 +69,7 @@ class MLflowLogger(TrackedRunLogger):
         self.experiment_id: str | None = None
         self._client: Any = None
         self._sender: BackgroundSender | None = None
-        self._last_step: dict[str, int] = {}  # on resume: the run's newest step per metric
+        self._sent: dict[str, dict[int, float]] = {}  # on resume: what the run has past the checkpoint
         self._storage_options: dict[str, Any] = {}
 
     def _uri(self) -> str:
@@ -94,30 +111,47 @@ class MLflowLogger(TrackedRunLogger):
         self._storage_options = run.storage_options
         self._client = client = MlflowClient(self._uri())
         known: dict[str, Any] = {}
-        tracked = self._tracked_run(client) if self.run_id is not None else None
+        self._sent = {}
+        tracked = self._tracked_run() if self.run_id is not None else None
         if tracked is not None:  # resumed: the same run
             self.experiment_id = tracked.info.experiment_id
             known = dict(tracked.data.params)
-            for key in tracked.data.metrics if run.resumed_at_step is not None else ():  # a fit goes on
-                self._last_step[key] = max((m.step for m in client.get_metric_history(self.run_id, key)), default=-1)
-            client.update_run(self.run_id, status="RUNNING")
+            if run.resumed_at_step is not None:  # a fit goes on: what the run has past the checkpoint
+                self._sent = {key: self._points_after(key, run.resumed_at_step) for key in tracked.data.metrics}
+            _retrying(lambda: client.update_run(self.run_id, status="RUNNING"))
         else:
-            found = client.get_experiment_by_name(self.experiment_name)
-            self.experiment_id = found.experiment_id if found else client.create_experiment(self.experiment_name)
-            self.run_id = client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
+            self.experiment_id = _retrying(self._experiment_id)
+            created = _retrying(lambda: client.create_run(self.experiment_id, run_name=self.run_name, tags=self.tags))
+            self.run_id = created.info.run_id
         self._log_params(run.hyperparameters, known)
         super().start(run)
         self._sender = BackgroundSender(self._send, f"mlflow logging to {redact_url(self._uri())}")
         log.info("mlflow: run %s in experiment %r", self.run_id, self.experiment_name)
 
-    def _tracked_run(self, client: Any) -> Any:
-        """The checkpoint's run on this server; a run that is not there (another server, deleted) is a warning and
-        a new run, since tracking never stops training."""
+    def _experiment_id(self) -> str:
+        """The experiment's id, created when missing (another job creating it at the same moment is fine)."""
+        from mlflow.exceptions import MlflowException
+
+        found = self._client.get_experiment_by_name(self.experiment_name)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(self._client.create_experiment(self.experiment_name))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return str(self._client.get_experiment_by_name(self.experiment_name).experiment_id)
+
+    def _tracked_run(self) -> Any:
+        """The checkpoint's run on this server. One that is not there (another server, deleted) is a warning and a
+        new run; any other failure is retried, then raised."""
         from mlflow.exceptions import MlflowException
 
         try:
-            return client.get_run(self.run_id)
+            return _retrying(lambda: self._client.get_run(self.run_id))
         except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise
             log.warning(
                 "mlflow: the checkpoint's run %s is not on %s (%s); logging to a new run",
                 self.run_id,
@@ -127,23 +161,33 @@ class MLflowLogger(TrackedRunLogger):
             self.run_id = None
             return None
 
+    def _points_after(self, key: str, step: int) -> dict[int, float]:
+        history = _retrying(lambda: self._client.get_metric_history(self.run_id, key))
+        return {m.step: m.value for m in history if m.step > step}
+
     def _log_params(self, hyperparameters: dict[str, Any], known: dict[str, Any]) -> None:
         """Params cannot change in MLflow: a resumed run adds only the names it did not have."""
         from mlflow.entities import Param
 
         params = [Param(k, str(v)[:_PARAM_CHARS]) for k, v in hyperparameters.items() if k not in known]
         for i in range(0, len(params), _PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=params[i : i + _PARAMS_PER_BATCH], synchronous=True)
+            batch = params[i : i + _PARAMS_PER_BATCH]
+            _retrying(lambda batch=batch: self._client.log_batch(self.run_id, params=batch, synchronous=True))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Queued for the background sender. Names lose the characters MLflow refuses (as Lightning's MLFlowLogger
+        does). After a resume, a point the run already has with the same value (the resume is exact) is not sent
+        again; a different value (the run was resumed with other settings) is."""
         if self._sender is None:
             return
         from mlflow.entities import Metric
 
         now, step = int(time.time() * 1000), step or 0
         for key, value in metrics.items():
-            if step > self._last_step.get(key, -1):
-                self._sender.put("metric", Metric(key, float(value), now, step))
+            key, value = _METRIC_NAME.sub("", key), float(value)
+            had = self._sent.get(key, {}).get(step)
+            if had is None or not math.isclose(had, value, rel_tol=1e-6, abs_tol=1e-12):
+                self._sender.put("metric", Metric(key, value, now, step))
 
     def log_text(self, text: str, path: str) -> None:
         if self._sender is not None:
@@ -154,7 +198,18 @@ class MLflowLogger(TrackedRunLogger):
             self._sender.put("checkpoint", path)
 
     def _send(self, kind: str, records: list[Any]) -> None:
-        """Runs on the sender's thread; raises to have the whole run of records retried."""
+        """Runs on the sender's thread; raises to have the whole run of records retried, or Rejected where the
+        server refuses them for good (a deleted run, a bad value), so they do not hold up what follows."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._send_now(kind, records)
+        except MlflowException as exc:
+            if exc.error_code in _REFUSED:
+                raise Rejected(redact_url(str(exc).splitlines()[0][:200])) from None
+            raise
+
+    def _send_now(self, kind: str, records: list[Any]) -> None:
         if kind == "metric":
             self._client.log_batch(self.run_id, metrics=records, synchronous=True)
         elif kind == "text":
@@ -172,8 +227,13 @@ class MLflowLogger(TrackedRunLogger):
 
     def finish(self, status: str) -> None:
         if self._sender is not None:
-            self._sender.put("status", "FINISHED" if status == "success" else "FAILED")
-            self._sender.close(self.flush_timeout_s)
+            final = "FINISHED" if status == "success" else "FAILED"
+            self._sender.put("status", final)
+            if self._sender.close(self.flush_timeout_s):  # records left (a long upload, a server down): the status
+                try:  # is still worth one direct try, or the run shows RUNNING for ever
+                    self._client.set_terminated(self.run_id, final)
+                except Exception as exc:
+                    log.warning("mlflow: run %s not marked %s (%s)", self.run_id, final, type(exc).__name__)
             self._sender = None
         super().finish(status)
 

@@ -78,8 +78,10 @@ class WandbLogger(TrackedRunLogger):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._run is None:
             return
-        step = step or 0
         values = {k: float(v) for k, v in metrics.items()}
+        if step is None:  # the module's own call without a step: wandb's next one
+            self._run.log(values)
+            return
         if step < self._last_step:  # W&B keeps a run's steps increasing: a test of an earlier checkpoint, say
             self._run.summary.update(values)
             return

@@ -49,10 +49,12 @@ def evaluate(
     keep_predictions: bool = True,
     loggers: list[Any] | None = None,
     resolved_config: str = "{}",
+    step: int = 0,
 ) -> Evaluation:
     """`callbacks`: the Trainer's Lightning callbacks (their hooks of this stage run around the module's);
     `keep_predictions=False`: predictions are not gathered to rank 0 (a prediction writer saves each rank's);
-    `loggers`: validate/test metrics go to them (rank 0), in the tracked run of the checkpoint evaluated."""
+    `loggers`: validate/test metrics go to them (rank 0), in the tracked run of the checkpoint evaluated, at its
+    step (without a checkpoint: at `step`, the last fit's)."""
     if stage not in STAGES:
         raise ConfigError(f"stage: received {stage!r}; use one of {', '.join(STAGES)}")
     prepared = prepare(config, module, data, callbacks)
@@ -79,10 +81,10 @@ def evaluate(
             module.evaluation_weights(snapshot.callbacks)
             if strategy.is_global_zero:
                 log.info("%s: weights of %s", stage, result.checkpoint)
-        step = snapshot.trainer.global_step if ckpt_path else 0
+        step = snapshot.trainer.global_step if ckpt_path else step
         if strategy.is_global_zero and logging_to.loggers:  # open before the first batch: self.logger writes
             states = snapshot.callbacks.get("Loggers") if ckpt_path else None
-            logging_to.start_evaluation(_run_info(config, resolved_config, bool(ckpt_path)), states)
+            logging_to.start_evaluation(_run_info(config, resolved_config), states)
         engine.collector.reset()
         module.enter_evaluation(stage)
         module.on_evaluation_start(stage)
@@ -113,13 +115,14 @@ def evaluate(
             strategy.teardown()
 
 
-def _run_info(config: TrainerConfig, resolved_config: str, adds_to_run: bool) -> RunInfo:
+def _run_info(config: TrainerConfig, resolved_config: str) -> RunInfo:
+    """An evaluation adds to what the run directory and the tracked run hold (drops nothing from metrics.csv)."""
     return RunInfo(
         root_dir=config.root_dir,
         hyperparameters=flatten(yaml.safe_load(resolved_config) or {}),
         resumed_at_step=None,
         storage_options=config.storage_options,
-        adds_to_run=adds_to_run,
+        adds_to_run=True,
     )
 
 

@@ -92,6 +92,7 @@ class Trainer:
         self.experiment: ExperimentConfig | None = None  # set by the command line, saved with the run
         self.state = TrainState()
         self._run: _Run | None = None
+        self._loggers: list[Any] = []  # the last fit's, which validate/test after it log to
 
     # ---- public API ---------------------------------------------------------------------------
     def fit(
@@ -124,7 +125,7 @@ class Trainer:
         dispatch: Dispatcher | None = None
         try:
             strategy.setup()
-            loggers = build_loggers(cfg, self.logger_objects)  # on every rank; rank 0 starts them
+            loggers = self._loggers = build_loggers(cfg, self.logger_objects)  # every rank's; rank 0 starts them
             strategy.rank_zero_call(
                 lambda: _check_destinations(cfg, loggers)
             )  # a bad bucket or server stops every rank now
@@ -233,10 +234,20 @@ class Trainer:
         keep_predictions: bool = True,
     ) -> Any:
         data, ckpt_path = passed_data(stage, data, ckpt_path, datamodule, **{STAGE_SLOT[stage]: dataloaders})
-        loggers = build_loggers(self.config, self.logger_objects) if stage != "predict" else []
+        # after a fit, its loggers (test metrics in the fit's tracked run, as Lightning's trainer.test does)
+        loggers = (self._loggers or build_loggers(self.config, self.logger_objects)) if stage != "predict" else []
         resolved = self._resolved_config(module, self.config)
         return evaluate(
-            self.config, stage, module, data, ckpt_path, self.foreign_callbacks, keep_predictions, loggers, resolved
+            self.config,
+            stage,
+            module,
+            data,
+            ckpt_path,
+            self.foreign_callbacks,
+            keep_predictions,
+            loggers,
+            resolved,
+            self.state.global_step,
         )
 
     def save_checkpoint(
