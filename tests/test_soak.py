@@ -3,7 +3,7 @@
 Resource leaks (a thread, a socket, a dataset iterator per step or per epoch) do not show in a
 3-epoch conformance run; they show here. Each run is 30 epochs of 100 steps on every rank (so
 per-epoch work, data iterators included, is repeated 30 times) with the default checkpointing
-(every epoch, keep 3), TensorBoard (every 50 steps) and NaN guard (every 10 steps) on, and
+(every epoch, keep 3), TensorBoard and metrics.csv (every 50 steps) and NaN guard (every 10 steps) on, and
 validation every 10 epochs. Every rank samples itself at each epoch end with
 tests/probe/soak_monitor.ResourceSampler (OS threads and RSS from /proc/self/status, descriptors
 from /proc/self/fd); the checks below compare the rest of the run with the warm-up (the first
@@ -82,6 +82,8 @@ def soak_args(case: StrategyCase, root: Path) -> list[str]:
         str(n_train),
         "--trainer.callbacks",
         json.dumps([sampler]),
+        "--trainer.loggers",
+        "[tensorboard, csv]",  # metrics.csv grows by a row per logged step: its writer must keep nothing
         *case.options,
     ]
 
