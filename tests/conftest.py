@@ -47,6 +47,28 @@ class S3Endpoint:
 
 
 @pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """reference_run(case) -> the root of one uninterrupted 3-epoch probe run of that strategy row.
+
+    Run once per session and shared, read-only, by the suites that compare against it (conformance
+    checks, exact resume after preemption or a restart): each launch costs seconds, TensorFlow's ~10 s.
+    """
+    from tests.helpers import _case, assert_ok, launch_probe
+
+    roots = {}
+
+    def run(case):
+        case = _case(case)
+        if case.id not in roots:
+            root = tmp_path_factory.mktemp(f"reference-{case.id}")
+            assert_ok(launch_probe(case, root))
+            roots[case.id] = root
+        return roots[case.id]
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     os.environ.update(FAKE_CREDENTIALS)
     endpoint = S3Endpoint()
@@ -141,3 +163,21 @@ def cli(capsys, monkeypatch):
         return subprocess.CompletedProcess(["unifit", *args], code, out, err)
 
     return run
+
+
+_seconds_per_file: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    _seconds_per_file[report.nodeid.split("::", 1)[0]] = (
+        _seconds_per_file.get(report.nodeid.split("::", 1)[0], 0.0) + report.duration
+    )
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The files that cost the most (setup, call and teardown together): where the CI budget goes."""
+    if len(_seconds_per_file) < 2:
+        return
+    terminalreporter.section("slowest files")
+    for path, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")

@@ -16,12 +16,9 @@ N_TRAIN, N_VAL = 64, 37
 
 
 @pytest.fixture(scope="module", params=strategy_params())
-def trained(request, tmp_path_factory) -> tuple[StrategyCase, Path]:
-    """One 3-epoch probe run per strategy, shared by the checks below."""
-    case = request.param
-    root = tmp_path_factory.mktemp(f"conf-{case.id}")
-    assert_ok(launch_probe(case, root))
-    return case, root
+def trained(request, reference_run) -> tuple[StrategyCase, Path]:
+    """One 3-epoch probe run per strategy, shared by the checks below (and by tests/test_long_jobs.py)."""
+    return request.param, reference_run(request.param)
 
 
 @pytest.mark.timeout(240)

@@ -53,9 +53,8 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", strategy_params())
-def test_preempted_mid_epoch_resumes_exactly(tmp_path, case):
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(launch_probe(case, full, *STEPS))
+def test_preempted_mid_epoch_resumes_exactly(tmp_path, case, reference_run):
+    full, part = reference_run(case), tmp_path / "part"  # uninterrupted, without step checkpoints
     signalled_rank = 0 if case.nproc == 1 else 1  # single, mirrored: their one process
     stopped = launch_probe(case, part, *STEPS, callbacks=_signal_at(signalled_rank))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
@@ -105,9 +104,8 @@ def test_sigterm_to_launch_is_forwarded_and_the_job_continues(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_max_restarts_continue_after_kill_9_of_one_rank(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert_ok(launch_probe("ddp", full, *STEPS))
+def test_max_restarts_continue_after_kill_9_of_one_rank(tmp_path, reference_run):
+    full, part = reference_run("ddp"), tmp_path / "part"
     kill = [{"class_path": "tests.probe.probe.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}]
     result = run_unifit(*probe_args("ddp", part, *STEPS, callbacks=kill), "--max-restarts", "1", timeout=300)
     assert_ok(result)
