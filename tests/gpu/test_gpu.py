@@ -182,3 +182,48 @@ def test_model_zoo_on_one_gpu(tmp_path, strategy):
             assert diff < (1e-3 if precision == "32-true" else 5e-2), (key, diff)
         if kind == "resume":
             assert record["crashed"], key
+
+
+HOST_SYNC_YAML = Path(__file__).parents[1] / "probe" / "host_sync.yaml"
+
+
+@pytest.mark.parametrize(
+    "strategy, precision, on_device",
+    [("single", "32-true", "true"), ("single", "bf16-mixed", "false"), ("ddp", "bf16-mixed", "auto")],
+)
+def test_steady_state_steps_never_sync_the_gpu(tmp_path, strategy, precision, on_device):
+    """tests/test_host_sync.py's window, on CUDA and under set_sync_debug_mode("error"): any synchronisation the
+    CUDA runtime sees in those steps (whoever makes it) raises and fails the run. Data on the device (gathered
+    there) and in host memory (copied ahead on a side stream) both."""
+    counter = {
+        "class_path": "tests.probe.host_sync.HostSyncCounter",
+        "init_args": {"out_dir": str(tmp_path), "cuda_error_mode": True},
+    }
+    result = run_unifit(
+        "launch", "--nproc-per-node", "1", "-c", str(HOST_SYNC_YAML), "--trainer.strategy", strategy,
+        "--trainer.root_dir", str(tmp_path / "run"), "--trainer.precision", precision,
+        "--trainer.accelerator", "gpu", "--trainer.data_on_device", on_device,
+        "--trainer.callbacks", json.dumps([counter]), timeout=240,
+    )  # fmt: skip
+    assert_ok(result)
+    report = json.loads((tmp_path / "host_sync_0.json").read_text())
+    assert report["steps"] == 8 and report["calls"] == {}, report
+    placed = "placed on cuda:0" in result.stdout + result.stderr
+    assert placed == (on_device != "false"), result.stdout[-2000:]  # auto: a few KB fit
+
+
+def test_data_on_the_device_or_copied_ahead_trains_the_same_and_resumes_mid_epoch(tmp_path):
+    """The same loss curve whether batches are gathered on the GPU or copied ahead from host memory; a
+    mid-epoch checkpoint taken while a batch was already copied ahead resumes without losing or repeating it."""
+    steps = ["--trainer.checkpoint.every_n_steps", "6", "--trainer.checkpoint.keep_last_n", "null"]
+    curves = {}
+    for on_device in ("true", "false"):
+        root = tmp_path / on_device
+        assert_ok(_run(root, "--trainer.data_on_device", on_device, *steps))
+        curves[on_device] = [m["train/loss"] for m in metrics_lines(root) if "train/loss" in m]
+    assert curves["true"] == pytest.approx(curves["false"], rel=1e-4, abs=1e-5)
+    part = tmp_path / "part"
+    assert_ok(_run(part, "--trainer.data_on_device", "false", *steps, "--trainer.max_steps", "21"))  # mid-epoch 2
+    assert_ok(_run(part, "--trainer.data_on_device", "false", *steps, ckpt="last"))
+    resumed = [m["train/loss"] for m in metrics_lines(part) if "train/loss" in m]
+    assert resumed[-3:] == pytest.approx(curves["false"][-3:], rel=1e-4, abs=1e-5)

@@ -274,6 +274,10 @@ class TrainerConfig(_Strict):
         description="Run directory: resolved config, metrics.jsonl, default checkpoint and TensorBoard dirs.",
     )
     num_workers: NonNegativeInt = Field(0, description="DataLoader worker processes per rank.")
+    data_on_device: Literal["auto"] | bool = Field(
+        "auto",
+        description="PyTorch on a GPU, data given as tensors or arrays (a TensorDataset): keep it on the device and gather each batch there (true), keep it in host memory and copy each batch ahead of its step (false), or place it when it takes at most a quarter of the free device memory and num_workers is 0 (auto). The choice is logged.",
+    )
     drop_last: bool = Field(False, description="Drop each rank's last partial training batch.")
     class_weight: dict[int, float] | None = Field(
         None,

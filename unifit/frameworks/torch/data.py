@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from unifit.errors import ConfigError
+from unifit.frameworks.torch.input_path import GatheredTensors, batched, gathered
 
 
 def as_dataset(data: Any, what: str) -> Dataset:
@@ -86,11 +87,13 @@ def train_loader(
     sampler = ResumableSampler(
         DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
     )
+    dataset = gathered(dataset)
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
         drop_last=drop_last,
+        collate_fn=batched if isinstance(dataset, GatheredTensors) else None,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -102,7 +105,15 @@ def val_loader(
     dataset: Dataset, *, batch_size: int, world_size: int, rank: int, num_workers: int, pin_memory: bool
 ) -> DataLoader:
     sampler = ShardSampler(len(dataset), world_size, rank)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
+    dataset = gathered(dataset)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=batched if isinstance(dataset, GatheredTensors) else None,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
 
 
 def batch_sizes(loader: DataLoader, batches: int) -> tuple[int, int]:
@@ -125,13 +136,3 @@ def batch_size_of(batch: Any) -> int:
             batch = next(iter(batch.values()))
         else:
             return 1
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch

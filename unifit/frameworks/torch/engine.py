@@ -18,7 +18,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
-from unifit.frameworks.torch import combined, iterable, pruning, user_loaders
+from unifit.frameworks.torch import combined, input_path, iterable, pruning, user_loaders
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
@@ -64,7 +64,6 @@ class TorchEngine(TorchEvaluation, Engine):
     _seamed: bool  # the module takes part in the step: it runs through the seams
     policy: LRPolicy
     accumulate: int
-    _move: bool  # batches go to a device other than the CPU
     _stream: bool  # the training data is an iterable stream
     _sizes: Any
     _batches: int  # training batches per epoch on this rank
@@ -79,7 +78,6 @@ class TorchEngine(TorchEvaluation, Engine):
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
-        self._move = self.device.type != "cpu"
         if cfg.class_weight:
             raise ConfigError(
                 "trainer.class_weight: model.fit's option for Keras models; for a PyTorch module weigh the classes in "
@@ -132,6 +130,7 @@ class TorchEngine(TorchEvaluation, Engine):
             else:
                 what = "train_dataloader()" if user_loaders.is_loader(train) else "train_dataset()"
                 self.train_loader = user_loaders.train_loader_for(train, what, **options)
+        self._place_on_device(self.train_loader, "train_dataset()")
         train_ds = self.train_loader.dataset
         self._batches = len(self.train_loader)
         if cfg.limit_train_batches:
@@ -160,6 +159,8 @@ class TorchEngine(TorchEvaluation, Engine):
                 )
                 for each in user_loaders.each_loader(val)
             ]
+            for loader in self.val_loaders:
+                self._place_on_device(loader, "val_dataset()")
 
         self.accumulate = cfg.accumulate_grad_batches
         manual = not getattr(self.module, "automatic_optimization", True)
@@ -291,10 +292,7 @@ class TorchEngine(TorchEvaluation, Engine):
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
         self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
         batches = itertools.islice(self.train_loader, self._batches - skip)  # the loader's own iterator, no layer
-        transfer = self._transfer
-        if transfer is None:
-            return batches
-        return (transfer(batch, 0) for batch in batches)
+        return input_path.on_device(batches, self.train_loader, self._transfer, self.device)
 
     def train_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         # the sampler's batch sizes, known at set-up: the step need not look into the batch
@@ -323,13 +321,9 @@ class TorchEngine(TorchEvaluation, Engine):
         self._mid_window = accumulate != 1 and (batch_idx + 1) % accumulate != 0 and not last
         if loss is None:  # a skipped batch (training_step returned None, one process only): no loss to count
             return None
-        if self._move:
-            loss = loss.detach()  # kept as a tensor: read once at epoch end, no device sync per step
-            self.collector.add("train/loss", loss, count)
-            return loss
-        # on CPU the value is there already: keep a float, not a tensor alive for the whole epoch
-        self.collector.add("train/loss", loss.item(), count)
-        return loss.detach()
+        loss = loss.detach()  # kept as a tensor, on CPU too (one code path): read once at epoch end, no sync per step
+        self.collector.add("train/loss", loss, count)
+        return loss
 
     def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         with self.precision.autocast():

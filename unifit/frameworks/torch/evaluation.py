@@ -7,13 +7,14 @@ strategy wrapper, since nothing is reduced but the logged metrics and the gather
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch import iterable, pruning, user_loaders
+from unifit.frameworks.torch import input_path, iterable, pruning, user_loaders
 from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
@@ -33,7 +34,6 @@ class TorchEvaluation:
     training: TorchTraining
     config: Any
     collector: Any
-    _move: bool
     _transfer: Any  # the module's way of moving a batch to the device: (batch, dataloader_idx) -> batch, or None
     _position: tuple[int, ...] = (0,)  # the current evaluation batch's (batch_idx, [dataloader_idx])
     _indices: list[list[list[int]]] | None = None  # per loader, per batch: the dataset indices (see setup_evaluation)
@@ -41,7 +41,6 @@ class TorchEvaluation:
     def setup_evaluation(self, stage: str) -> None:
         cfg, strategy = self.config, self.strategy
         self.device = torch_device(cfg.accelerator, strategy.local_rank)
-        self._move = self.device.type != "cpu"
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage(stage)
         self.module.to(self.device)
@@ -68,6 +67,8 @@ class TorchEvaluation:
             )
             for each in several
         ]
+        for loader in self.eval_loaders:
+            self._place_on_device(loader, f"{source}()")
         self._limit = cfg.limit_val_batches if stage == "validate" else None
         # each batch's dataset indices, for a module that records them (a LightningModule's prediction writers)
         self._indices = (
@@ -108,13 +109,18 @@ class TorchEvaluation:
     def _batches_of(self, loaders: list[Any], limit: int | None) -> Iterator[Any]:
         """Each loader's batches in turn, on the device; `_position` is the step's (batch_idx, [dataloader_idx])
         for the batch just yielded: the index within its loader, and which loader when there are several."""
-        transfer = self._transfer
         for index, loader in enumerate(loaders):
-            for i, batch in enumerate(loader):
-                if limit is not None and i >= limit:
-                    break
+            batches = loader if limit is None else itertools.islice(loader, limit)
+            for i, batch in enumerate(input_path.on_device(batches, loader, self._transfer, self.device, index)):
                 self._position = (i,) if len(loaders) == 1 else (i, index)
-                yield transfer(batch, index) if transfer is not None else batch
+                yield batch
+
+    def _place_on_device(self, loader: Any, what: str) -> None:
+        """In-memory data onto the GPU where trainer.data_on_device says so (input_path.place_on_device)."""
+        dataset = getattr(loader, "dataset", None)
+        cfg = self.config
+        if input_path.place_on_device(dataset, self.device, cfg.data_on_device, cfg.num_workers, what):
+            loader.pin_memory = False  # its batches are on the device already
 
     def eval_indices(self, loader: int = 0) -> Sequence[int]:
         return user_loaders.shard_indices(self.eval_loaders[loader])

@@ -8,7 +8,7 @@ import torch
 
 from unifit.errors import ConfigError
 from unifit.frameworks.module import ModuleBase
-from unifit.frameworks.torch.data import to_device
+from unifit.frameworks.torch.input_path import ToDevice
 from unifit.frameworks.torch.stateful import TorchmetricValue, is_torchmetric
 from unifit.frameworks.torch.step_seams import STEP_HOOKS
 
@@ -100,9 +100,7 @@ class TrainModule(ModuleBase, torch.nn.Module):
     # ---- around the steps: moving batches, the model's modes for validation (Lightning's hooks) -------
     def batch_transfer(self, device: torch.device) -> Any:
         """How a batch reaches `device`: a function (batch, dataloader_idx) -> batch, or None where it is there."""
-        if device.type == "cpu":
-            return None
-        return lambda batch, dataloader_idx: to_device(batch, device)
+        return None if device.type == "cpu" else ToDevice(device)
 
     def on_validation_model_zero_grad(self) -> None:
         """Before a validation inside fit: the gradients are released (Lightning's default)."""
