@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 import unifit
+from tests.probe.soak_torch import _regression as regression
 
 WATCHED = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -90,16 +90,11 @@ class SyncFreeModule(unifit.TrainModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
         self.n_train, self.n_val = n_train, n_val
 
-    def _data(self, n: int, seed: int) -> TensorDataset:
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(n, 8, generator=g)
-        return TensorDataset(x, x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(n, generator=g))
-
     def train_dataset(self):
-        return self._data(self.n_train, 1)
+        return regression(self.n_train, seed=1)
 
     def val_dataset(self):
-        return self._data(self.n_val, 2)
+        return regression(self.n_val, seed=2)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
