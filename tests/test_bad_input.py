@@ -61,6 +61,10 @@ END_TO_END = ["--trainer.strategy", "nope"]  # the case run by a real `python -m
             ["trainer.strategy_options.bucket_cap", "bucket_cap_mb"],
         ),
         (["--trainer.strategy_options.x", "5"], ["trainer.strategy_options.x", "valid keys: (none)"]),
+        (
+            ["--trainer.strategy", "fsdp", "--trainer.strategy_options", "{share_gpus: true, backend: nccl}"],
+            ["trainer.strategy_options.share_gpus", "backend gloo"],
+        ),
         (["--trainer.accelerator", "tpu"], ["trainer.accelerator", "'tpu'"]),
         (["--trainer.bogus"], ["--trainer.bogus", "no value"]),
         (["--epochs", "3"], ["unknown argument '--epochs'"]),

@@ -227,3 +227,30 @@ def test_data_on_the_device_or_copied_ahead_trains_the_same_and_resumes_mid_epoc
     assert_ok(_run(part, "--trainer.data_on_device", "false", *steps, ckpt="last"))
     resumed = [m["train/loss"] for m in metrics_lines(part) if "train/loss" in m]
     assert resumed[-3:] == pytest.approx(curves["false"][-3:], rel=1e-4, abs=1e-5)
+
+
+SHARED = {
+    "ddp": "{share_gpus: true}",
+    "smddp-like": "{share_gpus: true, local_world_size: 1}",
+    "fsdp": "{share_gpus: true}",
+}
+
+
+@pytest.mark.parametrize("strategy", SHARED)
+def test_two_ranks_sharing_one_gpu_agree_and_resume(tmp_path, strategy):
+    """The multi-rank CUDA paths on a one-GPU machine: 2 ranks on cuda:0 over gloo (which takes CUDA tensors)
+    with bf16-mixed: identical replicas and metrics, smddp-like's hierarchy over 2 "nodes", fsdp's sharded
+    checkpoint written from the GPU and resumed to the same curve."""
+    args = ["--trainer.precision", "bf16-mixed", "--trainer.strategy_options", SHARED[strategy]]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert_ok(_run(whole, *args, procs=2, strategy=strategy))
+    reports = _reports(whole)
+    assert [r["param_device"] for r in reports] == ["cuda:0", "cuda:0"] and reports[0]["backend"] == "gloo"
+    assert reports[0]["weights_sum"] == reports[1]["weights_sum"]
+    assert reports[0]["metrics"] == reports[1]["metrics"] and reports[0]["metrics"]["val/acc"] > 0.5
+    if strategy != "fsdp":
+        return
+    assert_ok(_run(part, *args, "--trainer.max_epochs", "2", procs=2, strategy=strategy))
+    assert_ok(_run(part, *args, procs=2, strategy=strategy, ckpt="last"))
+    losses = [[m["train/loss"] for m in metrics_lines(root) if "train/loss" in m] for root in (whole, part)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3, abs=1e-4)

@@ -76,6 +76,11 @@ class Strategy(ABC):
         return self.env.local_rank
 
     @property
+    def device_index(self) -> int:
+        """The GPU this process trains on, where it has one: one per process, by local rank."""
+        return self.env.local_rank
+
+    @property
     def is_global_zero(self) -> bool:
         return self.env.rank == 0
 

@@ -12,7 +12,7 @@ import itertools
 import logging
 from typing import Any, ContextManager, Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationInfo, field_validator
 
 from unifit.errors import DistributedError, first_line
 from unifit.strategies.base import TorchDistributedStrategy
@@ -22,11 +22,31 @@ from unifit.strategies.torch_training import TorchTraining
 log = logging.getLogger("unifit")
 
 
-class DDPOptions(BaseModel):
-    """trainer.strategy_options for ddp (passed to torch's DistributedDataParallel)."""
+class ProcessGroupOptions(BaseModel):
+    """The process-group choices of the torch.distributed strategies (ddp, smddp-like, fsdp)."""
 
     model_config = ConfigDict(extra="forbid")
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl on GPUs (gloo where share_gpus), gloo on CPU"
+    )
+    share_gpus: bool = Field(
+        False,
+        description="let several ranks use one GPU (rank r takes GPU local_rank mod the GPUs visible), over "
+        "gloo, which takes CUDA tensors (NCCL refuses two ranks on one device): to run the multi-rank CUDA "
+        "paths on a one-GPU machine, not for speed",
+    )
+
+    @field_validator("share_gpus")
+    @classmethod
+    def _over_gloo(cls, share: bool, info: ValidationInfo) -> bool:
+        if share and info.data.get("backend") == "nccl":
+            raise ValueError("needs backend gloo or auto (NCCL refuses two ranks on one device)")
+        return share
+
+
+class DDPOptions(ProcessGroupOptions):
+    """trainer.strategy_options for ddp (passed to torch's DistributedDataParallel)."""
+
     find_unused_parameters: bool = False
     bucket_cap_mb: PositiveFloat = 25.0
     gradient_as_bucket_view: bool = True
@@ -65,7 +85,7 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
                 self.name,
             )
             return
-        backend = self._backend_name(torch_device(self.accelerator, self.local_rank))
+        backend = self._backend_name(torch_device(self.accelerator, self.device_index))
         if not dist.is_initialized():
             # twice the barrier timeout: a rank stuck in a collective because another skipped a barrier
             # must not fail before the barrier does, which names the real mistake
@@ -89,7 +109,20 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
     def _backend_name(self, device: Any) -> str:
         if self.options.backend != "auto":
             return self.options.backend
-        return "nccl" if device.type == "cuda" else "gloo"
+        return "nccl" if device.type == "cuda" and not self._shares_gpus else "gloo"
+
+    @property
+    def _shares_gpus(self) -> bool:
+        return bool(getattr(self.options, "share_gpus", False))  # a strategy of the user's may have other options
+
+    @property
+    def device_index(self) -> int:
+        """Where share_gpus: local_rank mod the GPUs visible (several ranks on one GPU)."""
+        if self._shares_gpus:
+            import torch
+
+            return self.local_rank % max(torch.cuda.device_count(), 1)
+        return self.local_rank
 
     def _init_kwargs(self) -> dict[str, Any]:
         """Rendezvous: torchrun's store, or the rank facts another launcher (mpirun) gave."""

@@ -19,11 +19,11 @@ import logging
 from concurrent.futures import Future
 from typing import Any, ContextManager, Iterable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from unifit.errors import CheckpointNotFoundError, ConfigError, first_line
 from unifit.strategies import sharded_state
-from unifit.strategies.ddp import DDPStrategy
+from unifit.strategies.ddp import DDPStrategy, ProcessGroupOptions
 from unifit.strategies.torch_training import each_optimizer
 
 log = logging.getLogger("unifit")
@@ -31,11 +31,9 @@ log = logging.getLogger("unifit")
 _CONTAINERS = ("ModuleList", "ModuleDict", "Sequential")
 
 
-class FSDPOptions(BaseModel):
+class FSDPOptions(ProcessGroupOptions):
     """trainer.strategy_options for fsdp."""
 
-    model_config = ConfigDict(extra="forbid")
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
     sharding: Literal["full", "hybrid"] = Field(
         "full", description="full: shard over every rank; hybrid: shard within a node, replicate across nodes"
     )

@@ -77,7 +77,7 @@ class TorchEngine(TorchEvaluation, Engine):
 
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
-        self.device = torch_device(cfg.accelerator, strategy.local_rank)
+        self.device = torch_device(cfg.accelerator, strategy.device_index)
         if cfg.class_weight:
             raise ConfigError(
                 "trainer.class_weight: model.fit's option for Keras models; for a PyTorch module weigh the classes in "

@@ -40,7 +40,7 @@ class TorchEvaluation:
 
     def setup_evaluation(self, stage: str) -> None:
         cfg, strategy = self.config, self.strategy
-        self.device = torch_device(cfg.accelerator, strategy.local_rank)
+        self.device = torch_device(cfg.accelerator, strategy.device_index)
         self.precision = make_precision(cfg.precision, self.device)
         self.module.setup_stage(stage)
         self.module.to(self.device)
