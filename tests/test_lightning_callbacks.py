@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import (
     BatchSizeFinder,
+    DeviceStatsMonitor,
     EarlyStopping,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
@@ -231,6 +232,34 @@ def test_callback_state_is_checkpointed_and_the_logger_is_tensorboards(tmp_path)
     assert "first_layer" in tags["histograms"], tags
     assert {"batches_seen", "module_epoch"} <= set(tags["scalars"]), tags
     assert [e.value for e in events.Scalars("batches_seen")][-1] == 24
+
+
+@pytest.mark.timeout(120)
+def test_device_stats_monitor_logs_lightnings_keys_at_the_logging_steps(tmp_path):
+    """DeviceStatsMonitor, mapped onto trainer.device_stats: the keys Lightning's own run logs (here on CPU, with
+    cpu_stats=True), every log_every_n_steps steps, read back from TensorBoard's files; without a logger, refused."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    theirs = tmp_path / "lightning"
+    _lightning(
+        max_epochs=1,
+        callbacks=[DeviceStatsMonitor(cpu_stats=True)],
+        logger=L.pytorch.loggers.CSVLogger(theirs),
+        log_every_n_steps=3,
+    ).fit(Regressor())
+    header = next(theirs.rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    their_keys = {key for key in header if key.startswith("DeviceStatsMonitor.on_train_batch")}
+    assert their_keys, header
+
+    options = dict(batch_size=8, root_dir=str(tmp_path / "run"), progress_bar=False, lr_scaling="none")
+    monitor = DeviceStatsMonitor(cpu_stats=True)
+    unifit.Trainer(max_epochs=1, callbacks=[monitor], tensorboard={"log_every_n_steps": 3}, **options).fit(Regressor())
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    ours = {tag for tag in events.Tags()["scalars"] if tag.startswith("DeviceStatsMonitor.")}
+    assert ours == their_keys
+    used = events.Scalars("DeviceStatsMonitor.on_train_batch_end/cpu_vm_percent")
+    assert [e.step for e in used] == [3, 6] and all(0 < e.value <= 100 for e in used)  # 8 steps in the epoch
+    _refused("trainer.device_stats.enabled: true needs a logger", callbacks=[DeviceStatsMonitor()])
 
 
 class _EarlyStoppingWithHook(EarlyStopping):

@@ -13,6 +13,7 @@ from unifit.callbacks.progress import EpochSummary, ProgressBar
 from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.time_limit import TimeLimit
 from unifit.config.schema import TrainerConfig
+from unifit.errors import ConfigError
 from unifit.loggers import Logger, LoggerConnector
 from unifit.loop.callback import Callback
 
@@ -57,8 +58,13 @@ def default_callbacks(
         )
     if cfg.preemption.enabled:
         callbacks.append(Preemption(cfg.preemption, save=cfg.preemption.checkpoint and cfg.checkpoint.enabled))
+    if cfg.device_stats.enabled and not loggers:
+        raise ConfigError(
+            "trainer.device_stats.enabled: true needs a logger to write to, and trainer.loggers is empty; "
+            "add one (e.g. trainer.loggers: [tensorboard]) or turn device_stats off"
+        )
     if loggers:
-        callbacks.append(LoggerConnector(loggers, cfg.tensorboard.log_every_n_steps))
+        callbacks.append(LoggerConnector(loggers, cfg.tensorboard.log_every_n_steps, cfg.device_stats))
     callbacks.append(RunDirectory(cfg.root_dir, cfg.storage_options))
     if cfg.export_dir:
         callbacks.append(ModelExport(cfg.export_dir, cfg.storage_options))

@@ -7,7 +7,7 @@ Each is taken one of three ways (callbacks/foreign.py decides at set-up, all pro
   `ModelCheckpoint` -> trainer.checkpoint, `EarlyStopping` -> trainer.early_stopping, `Timer` ->
   trainer.max_time, `GradientAccumulationScheduler({0: k})` -> accumulate_grad_batches, the progress
   bars -> trainer.progress_bar, `LearningRateMonitor` / `ThroughputMonitor` -> the lr and throughput unifit
-  logs. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
+  logs, `DeviceStatsMonitor` -> trainer.device_stats. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
   `best_model_score`, `stopped_epoch`...), as Lightning's would be;
 - refused in one line that says why and what to do (`REFUSED`).
 """
@@ -33,8 +33,6 @@ REFUSED = {
     "StochasticWeightAveraging": "replaces the Trainer's scheduler configs with SWALR and reruns a data pass through "
     "Lightning's own fit loop to update BatchNorm; use Lightning's WeightAveraging (or EMAWeightAveraging), which "
     "unifit runs unchanged",
-    "DeviceStatsMonitor": "reads device statistics through Lightning's accelerator and loggers; log "
-    "torch.cuda.memory_allocated() from a callback instead",
 }
 _PROGRESS_BARS = ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
 _LOGGED_ALREADY = {
@@ -138,6 +136,10 @@ def _progress_bar(cb: Any, plan: Any) -> dict[str, Any]:
     return {"progress_bar": bool(enabled)}
 
 
+def _device_stats(cb: Any, plan: Any) -> dict[str, Any]:
+    return {"device_stats": {"enabled": True, "cpu_stats": cb._cpu_stats}}
+
+
 def _logged_already(cb: Any, plan: Any) -> dict[str, Any]:
     return {}
 
@@ -154,6 +156,7 @@ MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "Timer": _timer,
     "GradientAccumulationScheduler": _accumulation,
     "ProgressBar": _progress_bar,
+    "DeviceStatsMonitor": _device_stats,
     **{kind: _logged_already for kind in _LOGGED_ALREADY},
 }
 

@@ -213,6 +213,17 @@ class NanGuardConfig(_Strict):
     )
 
 
+class DeviceStatsConfig(_Strict):
+    """Log device statistics with the step values (Lightning's DeviceStatsMonitor, the same keys)."""
+
+    enabled: bool = Field(False, description="Log them (needs a logger).")
+    cpu_stats: bool | None = Field(
+        None,
+        description="Also the host's cpu_percent, cpu_vm_percent and cpu_swap_percent: null, only when training on "
+        "CPU; true, always; false, never.",
+    )
+
+
 class TrainerConfig(_Strict):
     """Everything the Trainer does; `Trainer(**fields)` takes the same names."""
 
@@ -311,6 +322,10 @@ class TrainerConfig(_Strict):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
     early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
+    device_stats: DeviceStatsConfig = Field(
+        default_factory=DeviceStatsConfig,
+        description="See DeviceStatsConfig: every tensorboard.log_every_n_steps steps, as DeviceStatsMonitor.on_train_batch_start/<key> and .../on_train_batch_end/<key>.",
+    )
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig, description="See PreemptionConfig.")
     resume: str | None = Field(
         None,

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from unifit.loggers.base import Logger, RunInfo, flatten
+from unifit.loggers.device_stats import device_stats
 from unifit.loop.callback import Callback
 
 log = logging.getLogger("unifit")
@@ -20,11 +21,13 @@ log = logging.getLogger("unifit")
 class LoggerConnector(Callback):
     rank_zero_only = True
 
-    def __init__(self, loggers: list[Logger], log_every_n_steps: int) -> None:
+    def __init__(self, loggers: list[Logger], log_every_n_steps: int, device_stats: Any = None) -> None:
         self.loggers = loggers
         self.every = log_every_n_steps
         self._next_step = log_every_n_steps
         self._status = "success"
+        self._device_stats: Any = device_stats if device_stats is not None and device_stats.enabled else None
+        self._at_batch_start: dict[str, float] = {}  # DeviceStatsMonitor's on_train_batch_start values
 
     @property
     def state_key(self) -> str:
@@ -62,6 +65,10 @@ class LoggerConnector(Callback):
         for logger in self.loggers:
             logger.log_metrics(metrics, step)
 
+    def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
+        if self._device_stats is not None and ctx.state.global_step + 1 >= self._next_step:  # a logged step ahead
+            self._at_batch_start = self._read_device_stats("on_train_batch_start")
+
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         step = ctx.state.global_step
         if step < self._next_step or not self.loggers:
@@ -71,8 +78,16 @@ class LoggerConnector(Callback):
         if loss is not None:  # None: a skipped batch
             logged["train/loss_step"] = float(loss)
         logged["lr_step"] = ctx.current_lrs()[0]
+        if self._device_stats is not None:
+            logged.update(self._at_batch_start)
+            logged.update(self._read_device_stats("on_train_batch_end"))
+            self._at_batch_start = {}
         for logger in self.loggers:
             logger.log_metrics(logged, step)
+
+    def _read_device_stats(self, hook: str) -> dict[str, float]:
+        stats = device_stats(self._device_stats.cpu_stats)
+        return {f"DeviceStatsMonitor.{hook}/{key}": value for key, value in stats.items()}
 
     def on_epoch_end(self, ctx: Any) -> None:
         metrics = {**ctx.state.metrics, "epoch": ctx.state.epoch}
