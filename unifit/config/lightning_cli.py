@@ -10,11 +10,14 @@ in one line. Learning rates are not scaled with the world size (`lr_scaling: non
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
+
+log = logging.getLogger("unifit")
 
 # the top-level keys only a LightningCLI file has
 _CLI_KEYS = ("model", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler", "weights_only")
@@ -299,7 +302,7 @@ _LOGGER_ARGS: dict[str, tuple[str, dict[str, str | None]]] = {
 
 def _logger(value: Any, out: dict[str, Any]) -> None:
     """Lightning's TensorBoardLogger, CSVLogger, MLFlowLogger and WandbLogger as unifit's loggers (their arguments
-    mapped); any other Lightning logger runs as it is, by class path."""
+    mapped); one with an argument unifit's has not, and any other Lightning logger, runs as it is, by class path."""
     if value is False:
         out.setdefault("tensorboard", {})["enabled"] = False
         out["loggers"] = []
@@ -317,8 +320,10 @@ def _logger(value: Any, out: dict[str, Any]) -> None:
             continue
         name, mapping = _LOGGER_ARGS[kind]
         unknown = sorted(set(args) - set(mapping))
-        if unknown:
-            raise ConfigError(f"{kind} init_args {unknown} have no unifit counterpart; remove them")
+        if unknown:  # Lightning's own logger then, driven as Lightning's Trainer drives it
+            log.info("trainer.logger: %s runs as Lightning's own (unifit's %s logger has no %s)", kind, name, unknown)
+            loggers.append(_class_path(entry))
+            continue
         spec: dict[str, Any] = {"name": name}
         for arg, option in mapping.items():
             if option is not None and args.get(arg) is not None:
