@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
+    LearningRateFinder,
     LearningRateMonitor,
     ModelCheckpoint,
     ModelPruning,
@@ -260,6 +261,31 @@ def test_device_stats_monitor_logs_lightnings_keys_at_the_logging_steps(tmp_path
     used = events.Scalars("DeviceStatsMonitor.on_train_batch_end/cpu_vm_percent")
     assert [e.step for e in used] == [3, 6] and all(0 < e.value <= 100 for e in used)  # 8 steps in the epoch
     _refused("trainer.device_stats.enabled: true needs a logger", callbacks=[DeviceStatsMonitor()])
+
+
+@pytest.mark.timeout(120)
+def test_learning_rate_finder_sweeps_as_lightning_and_the_fit_then_starts_afresh_with_its_lr(tmp_path):
+    """LearningRateFinder, mapped onto trainer.lr_find: the same lrs, smoothed losses and suggestion as Lightning's
+    own sweep (same model, data and steps; through its StepLR schedule), the suggestion adopted (hparams.lr and
+    the optimizer), and the model, optimizer, schedule and random states put back: the fit that follows equals a
+    fresh fit at the suggested lr."""
+    torch.manual_seed(0)
+    theirs = LearningRateFinder(num_training_steps=30, max_lr=0.5)
+    _lightning(max_epochs=4, callbacks=[theirs]).fit(Regressor())  # its sweep is bounded by max_epochs too
+    torch.manual_seed(0)
+    ours, tuned = LearningRateFinder(num_training_steps=30, max_lr=0.5), Regressor()
+    options = dict(max_epochs=2, batch_size=8, checkpoint={"enabled": False}, **QUIET)
+    unifit.Trainer(root_dir=str(tmp_path / "tuned"), callbacks=[ours], **options).fit(tuned)
+
+    assert ours.optimal_lr.results["lr"] == pytest.approx(theirs.optimal_lr.results["lr"], rel=1e-9)
+    assert ours.optimal_lr.results["loss"] == pytest.approx(theirs.optimal_lr.results["loss"], rel=1e-5)
+    found = theirs.optimal_lr.suggestion()
+    assert ours.optimal_lr.suggestion() == pytest.approx(found, rel=1e-9) and tuned.hparams.lr == pytest.approx(found)
+    torch.manual_seed(0)
+    fresh = Regressor(lr=tuned.hparams.lr)
+    unifit.Trainer(root_dir=str(tmp_path / "fresh"), **options).fit(fresh)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(tuned.state_dict()[key], value), key
 
 
 class _EarlyStoppingWithHook(EarlyStopping):

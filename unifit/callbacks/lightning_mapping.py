@@ -7,7 +7,7 @@ Each is taken one of three ways (callbacks/foreign.py decides at set-up, all pro
   `ModelCheckpoint` -> trainer.checkpoint, `EarlyStopping` -> trainer.early_stopping, `Timer` ->
   trainer.max_time, `GradientAccumulationScheduler({0: k})` -> accumulate_grad_batches, the progress
   bars -> trainer.progress_bar, `LearningRateMonitor` / `ThroughputMonitor` -> the lr and throughput unifit
-  logs, `DeviceStatsMonitor` -> trainer.device_stats. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
+  logs, `DeviceStatsMonitor` -> trainer.device_stats, `LearningRateFinder` -> trainer.lr_find. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
   `best_model_score`, `stopped_epoch`...), as Lightning's would be;
 - refused in one line that says why and what to do (`REFUSED`).
 """
@@ -28,8 +28,6 @@ log = logging.getLogger("unifit")
 REFUSED = {
     "BatchSizeFinder": "tunes the batch size with trial fits before training; run Lightning's Tuner once and set "
     "trainer.batch_size",
-    "LearningRateFinder": "tunes the learning rate with trial fits before training; run Lightning's Tuner once and "
-    "set the module's lr",
     "StochasticWeightAveraging": "replaces the Trainer's scheduler configs with SWALR and reruns a data pass through "
     "Lightning's own fit loop to update BatchNorm; use Lightning's WeightAveraging (or EMAWeightAveraging), which "
     "unifit runs unchanged",
@@ -136,6 +134,29 @@ def _progress_bar(cb: Any, plan: Any) -> dict[str, Any]:
     return {"progress_bar": bool(enabled)}
 
 
+def _lr_finder(cb: Any, plan: Any) -> dict[str, Any]:
+    plan.reports["lr_find"] = lambda **found: _mirror_lr_finder(cb, **found)
+    settings = {
+        "min_lr": cb._min_lr,
+        "max_lr": cb._max_lr,
+        "num_training_steps": cb._num_training_steps,
+        "mode": cb._mode,
+        "early_stop_threshold": cb._early_stop_threshold,
+        "update_attr": cb._update_attr,
+        "attr_name": cb._attr_name,
+    }
+    return {"lr_find": settings}
+
+
+def _mirror_lr_finder(cb: Any, lrs: list[float], losses: list[float]) -> None:
+    """The callback's `optimal_lr`, Lightning's own result object (its suggestion() and plot() work)."""
+    from lightning.pytorch.tuner.lr_finder import _LRFinder
+
+    found = _LRFinder(cb._mode, cb._min_lr, cb._max_lr, cb._num_training_steps)
+    found.results = {"lr": list(lrs), "loss": list(losses)}
+    cb.optimal_lr = found
+
+
 def _device_stats(cb: Any, plan: Any) -> dict[str, Any]:
     return {"device_stats": {"enabled": True, "cpu_stats": cb._cpu_stats}}
 
@@ -157,6 +178,7 @@ MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "GradientAccumulationScheduler": _accumulation,
     "ProgressBar": _progress_bar,
     "DeviceStatsMonitor": _device_stats,
+    "LearningRateFinder": _lr_finder,
     **{kind: _logged_already for kind in _LOGGED_ALREADY},
 }
 

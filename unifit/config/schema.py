@@ -213,6 +213,25 @@ class NanGuardConfig(_Strict):
     )
 
 
+class LRFindConfig(_Strict):
+    """Lightning's learning-rate range test (its LearningRateFinder callback, Tuner.lr_find) before the first epoch:
+    the lr swept over a few steps, the model and optimizer put back, the lr of the steepest loss descent adopted."""
+
+    min_lr: PositiveFloat = Field(1e-8, description="The sweep's first lr.")
+    max_lr: PositiveFloat = Field(1.0, description="The sweep's last lr.")
+    num_training_steps: PositiveInt = Field(100, description="Optimizer steps of the sweep.")
+    mode: Literal["exponential", "linear"] = Field("exponential", description="How the lr grows step to step.")
+    early_stop_threshold: PositiveFloat | None = Field(
+        4.0, description="Stop once the smoothed loss exceeds this many times its best (null: never)."
+    )
+    update_attr: bool = Field(
+        True,
+        description="Train with the suggested lr (every lr of the optimizers and schedules scaled alike) and set "
+        "the module's lr / learning_rate attribute (or attr_name) to it; false: only report it.",
+    )
+    attr_name: str = Field("", description="The module attribute that holds the lr, when not lr or learning_rate.")
+
+
 class DeviceStatsConfig(_Strict):
     """Log device statistics with the step values (Lightning's DeviceStatsMonitor, the same keys)."""
 
@@ -322,6 +341,10 @@ class TrainerConfig(_Strict):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="See TensorBoardConfig.")
     early_stopping: EarlyStoppingConfig | None = Field(None, description="See EarlyStoppingConfig; null turns it off.")
     nan_guard: NanGuardConfig = Field(default_factory=NanGuardConfig, description="See NanGuardConfig.")
+    lr_find: LRFindConfig | None = Field(
+        None,
+        description="See LRFindConfig: a learning-rate range test before the first epoch of a fresh fit (PyTorch modules), e.g. {num_training_steps: 100}.",
+    )
     device_stats: DeviceStatsConfig = Field(
         default_factory=DeviceStatsConfig,
         description="See DeviceStatsConfig: every tensorboard.log_every_n_steps steps, as DeviceStatsMonitor.on_train_batch_start/<key> and .../on_train_batch_end/<key>.",

@@ -177,6 +177,13 @@ class Engine(ABC):
     @abstractmethod
     def seed(self, seed: int) -> None: ...
 
+    def find_lr(self, settings: Any) -> Any:
+        """Lightning's learning-rate range test before the first epoch (trainer.lr_find); PyTorch modules."""
+        raise ConfigError(
+            "trainer.lr_find: the learning-rate range test runs for PyTorch modules; for a Keras module sweep the "
+            "lr in a short run of your own (e.g. a LearningRateScheduler callback) and set it"
+        )
+
     def start_sharded_write(self, state: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
         """Under a sharded strategy every rank starts writing its shards of this engine's `state` to `url`
         now (in the background: the Future) and the rest is left for `checkpoint_files`; by default

@@ -157,6 +157,8 @@ class Trainer:
             if ctx.resumed_from is None:
                 engine.seed(cfg.seed + strategy.rank)  # per-rank randomness (dropout, augmentation)
                 self.state.progress.epoch = initial_epoch
+            if cfg.lr_find is not None:
+                self._find_lr(engine, cfg, prepared.plan.reports.get("lr_find"), resumed=ctx.resumed_from is not None)
             dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
             dispatch(Event.SETUP)
             dispatch(Event.FIT_START)
@@ -180,6 +182,16 @@ class Trainer:
                 engine.close()
                 strategy.teardown()
         return self.state
+
+    @staticmethod
+    def _find_lr(engine: Any, cfg: TrainerConfig, report: Any, resumed: bool) -> None:
+        """The lr range test of a fresh fit (a resumed one trains on with the lr it has, as it was tuned)."""
+        if resumed:
+            log.info("lr_find: skipped, the fit resumes from a checkpoint with its lr")
+            return
+        found = engine.find_lr(cfg.lr_find)
+        if report is not None:  # Lightning's LearningRateFinder object is told, as Lightning's would be
+            report(lrs=found.lrs, losses=found.losses)
 
     def validate(
         self,

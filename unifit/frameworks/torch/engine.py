@@ -18,7 +18,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
-from unifit.frameworks.torch import combined, input_path, iterable, pruning, user_loaders
+from unifit.frameworks.torch import combined, input_path, iterable, lr_finder, pruning, user_loaders
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
@@ -539,6 +539,9 @@ class TorchEngine(TorchEvaluation, Engine):
     def seed(self, seed: int) -> None:
         seed_host(seed)
         torch.manual_seed(seed)
+
+    def find_lr(self, settings: Any) -> Any:
+        return lr_finder.find_lr(self, settings)
 
     def start_sharded_write(self, state: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
         return self.training.start_sharded_write(state, url, self.config.storage_options)
