@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: tests/gpu (every GPU path, logged), then the GPU benchmark (benchmarks/gpu_overhead.py,
+# REPS interleaved reps, default 1: ~3-4 min on an H100), each inside its own time limit so both leave results. Results go to $OUT (the device tool
+# brings that folder back) or benchmarks/results. Uses the machine's python3 (torch with CUDA); the repository root
+# goes on PYTHONPATH. Usage: [REPS=2] bash scripts/gpu_check.sh [tests-seconds, default 360] [benchmark-seconds, 240]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+missing=$(python3 - <<'PY'
+import importlib.util
+need = ["torch", "pydantic", "yaml", "fsspec", "tqdm", "tensorboard", "psutil", "pytest", "pytest_timeout", "lightning"]
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+PY
+)
+[ -n "$missing" ] && echo "gpu_check: missing on this machine: $missing (carry them as wheels: see the device README)"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu_name.txt"
+timeout "${1:-360}" python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+timeout "${2:-240}" python3 benchmarks/gpu_overhead.py --reps "${REPS:-1}" --out "$out/gpu_overhead.md" 2>&1 | tail -30
