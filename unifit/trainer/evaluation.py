@@ -45,6 +45,7 @@ def evaluate(
     module: Any,
     data: Any = None,
     ckpt_path: str | None = None,
+    *,
     callbacks: list[Any] | None = None,
     keep_predictions: bool = True,
     loggers: list[Any] | None = None,

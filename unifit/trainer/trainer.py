@@ -126,9 +126,8 @@ class Trainer:
         try:
             strategy.setup()
             loggers = self._loggers = build_loggers(cfg, self.logger_objects)  # every rank's; rank 0 starts them
-            strategy.rank_zero_call(
-                lambda: _check_destinations(cfg, loggers)
-            )  # a bad bucket or server stops every rank now
+            # a bad bucket or an unreachable tracking server stops every rank now, before anything trains
+            strategy.rank_zero_call(lambda: _check_destinations(cfg, loggers))
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
@@ -255,11 +254,11 @@ class Trainer:
             module,
             data,
             ckpt_path,
-            self.foreign_callbacks,
-            keep_predictions,
-            loggers,
-            resolved,
-            self.state.global_step,
+            callbacks=self.foreign_callbacks,
+            keep_predictions=keep_predictions,
+            loggers=loggers,
+            resolved_config=resolved,
+            step=self.state.global_step,
         )
 
     def save_checkpoint(
