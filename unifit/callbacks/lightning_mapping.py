@@ -28,9 +28,6 @@ log = logging.getLogger("unifit")
 REFUSED = {
     "BatchSizeFinder": "tunes the batch size with trial fits before training; run Lightning's Tuner once and set "
     "trainer.batch_size",
-    "StochasticWeightAveraging": "replaces the Trainer's scheduler configs with SWALR and reruns a data pass through "
-    "Lightning's own fit loop to update BatchNorm; use Lightning's WeightAveraging (or EMAWeightAveraging), which "
-    "unifit runs unchanged",
 }
 _PROGRESS_BARS = ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
 _LOGGED_ALREADY = {

@@ -44,6 +44,8 @@ _WHOLE_MODEL_CALLBACKS = {
     "averaged into (Lightning's WeightAveraging does not support sharding either): use ddp, or average after training",
     "ModelPruning": "re-parametrizes whole weights (weight_orig and a mask), which fsdp's sharded parameters are not: "
     "use ddp, or prune before or after training",
+    "StochasticWeightAveraging": "averages whole copies of the model, which Lightning refuses for sharded models too "
+    "('SWA does not currently support sharded models'): use ddp",
 }
 
 
@@ -105,6 +107,13 @@ class LightningAdapter(TrainModule):
 
     def attach_strategy(self, strategy: Any) -> None:
         self.view.dist = strategy
+        averaging = [cb for cb in self._running() if derives_from(cb, "StochasticWeightAveraging", *LIGHTNING)]
+        if averaging and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.lightning.modules()):
+            raise ConfigError(
+                "trainer.callbacks: Lightning's StochasticWeightAveraging on a model with BatchNorm adds an epoch of "
+                "forward passes inside Lightning's own fit loop to recompute the statistics, which unifit does not "
+                "run yet: use Lightning's WeightAveraging (it averages the BatchNorm buffers too), which unifit runs"
+            )
         if not getattr(strategy, "shards_parameters", False):
             return
         for kind, reason in _WHOLE_MODEL_CALLBACKS.items():

@@ -68,6 +68,7 @@ TRAINER_FACTS = (
     "strategy",
     "precision_plugin",
     "predict_loop",
+    "fit_loop",
 )
 
 
@@ -95,6 +96,31 @@ class PredictLoopView:
     def predictions(self) -> list[Any]:
         """One loader's list of batch outputs, or a list of them per loader (Lightning's)."""
         return self._predictions[0] if len(self._predictions) == 1 else self._predictions
+
+
+class FitLoopView:
+    """`trainer.fit_loop` for what Lightning's own callbacks set there in a run unifit offers:
+    StochasticWeightAveraging turns `_skip_backward` off after each epoch. Turning it on (a forward-only epoch) is
+    refused where it happens."""
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    @property
+    def max_epochs(self) -> int | None:
+        return self._view.max_epochs
+
+    @property
+    def _skip_backward(self) -> bool:
+        return False
+
+    @_skip_backward.setter
+    def _skip_backward(self, value: bool) -> None:
+        if value:
+            raise ConfigError(
+                "trainer.fit_loop._skip_backward = True: a training epoch of forward passes alone is not offered by "
+                "unifit; train without that callback"
+            )
 
 
 def _on_cpu(value: Any) -> Any:
@@ -125,6 +151,7 @@ class TrainerView:
         self.strategy = _StrategyView(self)
         self.precision_plugin = _PrecisionView(self)
         self.predict_loop = PredictLoopView()
+        self.fit_loop = FitLoopView(self)
         self.loggers: list[Any] = []  # the run's (unifit.loggers), set by the adapter as a fit starts
         self.gradient_clip_algorithm = None
         self.epoch = 0  # Lightning's current_epoch: the running epoch, counted up when the next one starts
@@ -270,7 +297,9 @@ class TrainerView:
 
     @property
     def lr_scheduler_configs(self) -> list[Any]:
-        return list(self._seams().engine.schedules)  # each has .scheduler, as Lightning's LRSchedulerConfig
+        """The engine's schedules (each has .scheduler, .interval, .frequency, as Lightning's LRSchedulerConfig),
+        live: a callback that swaps or adds one (StochasticWeightAveraging puts its SWALR in) changes what steps."""
+        return _SchedulerConfigs(self._seams().engine)
 
     @property
     def gradient_clip_val(self) -> float | None:
@@ -289,6 +318,39 @@ class TrainerView:
             f"trainer.{name}: unifit runs this LightningModule and its callbacks without a Lightning Trainer; "
             f"it offers {', '.join(TRAINER_FACTS)} (see docs/lightning.md)"
         )
+
+
+class _SchedulerConfigs(list):
+    def __init__(self, engine: Any) -> None:
+        super().__init__(engine.schedules)
+        self._engine = engine
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self._sync()
+
+    def append(self, value: Any) -> None:
+        super().append(value)
+        self._sync()
+
+    def clear(self) -> None:
+        super().clear()
+        self._sync()
+
+    def _sync(self) -> None:
+        from unifit.frameworks.torch.optimizers import SchedulerSpec
+
+        engine = self._engine
+        specs = [
+            c
+            if isinstance(c, SchedulerSpec)
+            else SchedulerSpec(c.scheduler, c.interval, c.frequency, getattr(c, "monitor", None))
+            for c in self
+        ]
+        unifit_steps = engine.stepped == engine.schedules  # automatic optimization: unifit steps every schedule
+        engine.schedules[:] = specs
+        if unifit_steps:
+            engine.stepped[:] = specs
 
 
 class _StrategyView:
