@@ -90,6 +90,11 @@ class KerasEngine(KerasEvaluation, Engine):
                 "trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
                 "is implemented for PyTorch modules only); raise batch_size instead"
             )
+        if cfg.data_on_device is True:
+            raise ConfigError(
+                "trainer.data_on_device: true places a PyTorch module's in-memory tensors on its GPU; a Keras module's "
+                "data goes through tf.data, which TensorFlow's strategies place: leave it auto"
+            )
         self.precision = make_precision(cfg.precision)
         train, presharded = self._rank_data(self.data.train_dataset())
         train, batched_by = unbatched(train)
