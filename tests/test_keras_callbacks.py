@@ -230,6 +230,12 @@ def test_what_cannot_be_honoured_is_one_line(tmp_path):
     refused("has sample weights too", data={"train": weighted}, class_weight={0: 2.0})
     refused("give steps_per_epoch", data={"train": train.repeat()})
     refused("unifit evaluates the whole dataset each time", data={"train": train, "val": val.repeat()})
+    for option, message in (
+        ({"data_on_device": True}, "trainer.data_on_device: true places a PyTorch module's"),
+        ({"lr_find": {}}, "trainer.lr_find: the learning-rate range test runs for PyTorch modules"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            unifit.Trainer(max_epochs=1, root_dir=str(tmp_path), **QUIET, **option).fit(_model(), data={"train": train})
     refused("so no epoch would train", initial_epoch=3)
 
 
