@@ -518,15 +518,16 @@ class _TwoLoaders(BoringModel):
     """Trains on a list of two loaders of 8 and 3 batches, or a CombinedLoader of them in `mode`; records what
     each step received (the second loader's first value, or None)."""
 
-    def __init__(self, mode: str | None) -> None:
+    def __init__(self, mode: str | None, stream: bool = False) -> None:
         super().__init__()
-        self.mode, self.seen = mode, []
+        self.mode, self.stream, self.seen = mode, stream, []
 
     def train_dataloader(self):
         from lightning.pytorch.utilities import CombinedLoader
 
         first = torch.utils.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=1)
-        second = torch.utils.data.DataLoader(torch.arange(100.0, 106.0).reshape(3, 2), batch_size=1)
+        rows = torch.arange(100.0, 106.0).reshape(3, 2)
+        second = torch.utils.data.DataLoader(_Rows(rows) if self.stream else rows, batch_size=1)
         return [first, second] if self.mode is None else CombinedLoader([first, second], mode=self.mode)
 
     def training_step(self, batch, batch_idx):
@@ -536,14 +537,28 @@ class _TwoLoaders(BoringModel):
         return loss * 1e-3
 
 
+class _Rows(torch.utils.data.IterableDataset):
+    """A stream of known length (an IterableDataset: no __getitem__)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", [None, "min_size", "max_size"])
-def test_several_training_loaders_combine_as_lightnings_combined_loader(tmp_path, mode):
+@pytest.mark.parametrize("mode, stream", [(None, False), ("min_size", False), ("max_size", False), (None, True)])
+def test_several_training_loaders_combine_as_lightnings_combined_loader(tmp_path, mode, stream):
+    """(None, True): the short loader is a stream, cycled by re-reading it as Lightning's does."""
     torch.manual_seed(0)
-    theirs = _TwoLoaders(mode)
+    theirs = _TwoLoaders(mode, stream)
     lightning_trainer(max_epochs=2).fit(theirs)
     torch.manual_seed(0)
-    ours = _TwoLoaders(mode)
+    ours = _TwoLoaders(mode, stream)
     Trainer(strategy="single", max_epochs=2, root_dir=str(tmp_path), lr_scaling="none", **QUIET).fit(ours)
     assert ours.seen == theirs.seen  # None (max_size_cycle): the short loader cycles, 8 steps an epoch
     for key, value in _weights(theirs).items():

@@ -3,7 +3,8 @@ every loader (a list, or a dict by the names the module gave), for a LightningMo
 returns a list or dict of loaders (Lightning's default mode, "max_size_cycle") or a CombinedLoader in mode
 "max_size_cycle", "min_size" or "max_size".
 
-Each loader is sharded over the ranks on its own, exactly as a single one is (user_loaders.py), and the
+Each loader is sharded over the ranks on its own, exactly as a single one is (user_loaders.py; a stream of
+known length is cut into batches dealt to the ranks, iterable.py), and the
 combination is resumable mid-epoch: a shorter loader cycled by "max_size_cycle" restarts the same epoch's
 order (as Lightning's, which re-iterates it without a new set_epoch), so the position of every loader after
 `skip` steps is known without loading anything.
@@ -80,16 +81,37 @@ def shard(combined: Combined, *, seed: int, **options: Any) -> CombinedTrainLoad
     loaders = []
     for i, each in enumerate(combined.loaders):
         what = f"{combined.what}[{combined.keys[i] if combined.keys else i}]"
-        if iterable.is_stream(each):
-            raise ConfigError(
-                f"{what}: an IterableDataset among several training loaders; unifit combines loaders of a known "
-                "length (cycled by position): give it a map-style dataset, or train on the stream alone"
-            )
-        loader = user_loaders.train_loader_for(each, what, seed=seed + i, **options)  # options: train_loader_for's
+        if iterable.is_stream(each):  # cut into batches dealt to the ranks, as a stream trained alone
+            loader = _stream_loader(each, what, **options)
+        else:
+            loader = user_loaders.train_loader_for(each, what, seed=seed + i, **options)  # options: train_loader_for's
         if len(loader) == 0:
             raise ConfigError(f"{what}: no batch on this rank; give it more data or a smaller batch")
         loaders.append(loader)
     return CombinedTrainLoader(combined, loaders)
+
+
+def _stream_loader(data: Any, what: str, *, batch_size: int, **options: Any) -> Any:
+    """A stream among several loaders: its length must be known (the combination's epoch is sized by every
+    loader's batches); its own DataLoader's batch size, if it has one."""
+    own = user_loaders.loader_batch_size(data) if user_loaders.is_loader(data) else None
+    stream = data.dataset if user_loaders.is_loader(data) else data
+    if not hasattr(stream, "__len__"):
+        raise ConfigError(
+            f"{what}: an IterableDataset without __len__ among several training loaders; the combined epoch is "
+            "sized by every loader's batches: give the stream a __len__, or train on the stream alone"
+        )
+    return iterable.stream_loader(
+        data,
+        what,
+        batch_size=own or batch_size,
+        world_size=options["world_size"],
+        rank=options["rank"],
+        train=True,
+        limit=None,
+        num_workers=options["num_workers"],
+        pin_memory=options["pin_memory"],
+    )
 
 
 class _Generators:

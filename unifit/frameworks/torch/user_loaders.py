@@ -125,8 +125,11 @@ def train_loader_for(
 
 
 def set_epoch(loader: DataLoader, epoch: int, skip_batches: int) -> None:
-    """Start a training loader's epoch `epoch` past its first `skip_batches` batches (never loaded)."""
-    if isinstance(loader.batch_sampler, ShardedBatchSampler):
+    """Start a training loader's epoch `epoch` past its first `skip_batches` batches (never loaded; a stream's are
+    read and dropped)."""
+    if isinstance(loader.dataset, iterable.RankBatches):
+        loader.dataset.set_epoch(epoch, skip_batches)
+    elif isinstance(loader.batch_sampler, ShardedBatchSampler):
         loader.batch_sampler.set_epoch(epoch, skip_batches)
     else:
         loader.sampler.set_epoch(epoch, skip_batches * loader.batch_size)
