@@ -565,6 +565,37 @@ def test_several_training_loaders_combine_as_lightnings_combined_loader(tmp_path
         torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
 
 
+class _CombinedValidation(BoringModel):
+    """Validates on a CombinedLoader of two loaders (5 and 2 batches) in `mode`, as a dict: records each step's
+    values and logs a sum over what it got."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.seen = mode, []
+
+    def val_dataloader(self):
+        from lightning.pytorch.utilities import CombinedLoader
+
+        long = torch.utils.data.DataLoader(torch.arange(10.0).reshape(5, 2), batch_size=1)
+        short = torch.utils.data.DataLoader(torch.arange(100.0, 104.0).reshape(2, 2), batch_size=1)
+        return CombinedLoader({"long": long, "short": short}, mode=self.mode)
+
+    def validation_step(self, batch, batch_idx):
+        values = {key: None if value is None else float(value[0, 0]) for key, value in batch.items()}
+        self.seen.append((batch_idx, values["long"], values["short"]))
+        self.log("val_total", sum(v for v in values.values() if v is not None), batch_size=1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size", "max_size"])
+def test_a_combined_validation_loader_gives_combined_batches_as_lightning(tmp_path, mode):
+    theirs, ours = _CombinedValidation(mode), _CombinedValidation(mode)
+    their_metrics = _lightning_trainer(1).validate(theirs)[0]
+    our_metrics = Trainer(root_dir=str(tmp_path), **QUIET).validate(ours)
+    assert ours.seen == theirs.seen and len(ours.seen) == (2 if mode == "min_size" else 5)
+    assert our_metrics["val_total"] == pytest.approx(their_metrics["val_total"], rel=1e-6)
+
+
 class _SequentialTraining(_TwoLoaders):
     def __init__(self) -> None:
         super().__init__("sequential")

@@ -1,4 +1,4 @@
-"""Several training loaders at once, as Lightning's CombinedLoader runs them: each step gets one batch of
+"""Several loaders at once, as Lightning's CombinedLoader runs them. Training: each step gets one batch of
 every loader (a list, or a dict by the names the module gave), for a LightningModule whose train_dataloader()
 returns a list or dict of loaders (Lightning's default mode, "max_size_cycle") or a CombinedLoader in mode
 "max_size_cycle", "min_size" or "max_size".
@@ -7,7 +7,9 @@ Each loader is sharded over the ranks on its own, exactly as a single one is (us
 known length is cut into batches dealt to the ranks, iterable.py), and the
 combination is resumable mid-epoch: a shorter loader cycled by "max_size_cycle" restarts the same epoch's
 order (as Lightning's, which re-iterates it without a new set_epoch), so the position of every loader after
-`skip` steps is known without loading anything.
+`skip` steps is known without loading anything. Validation and test: a CombinedLoader in one of those modes
+gives its steps combined batches the same way (CombinedEvalLoader), without a dataloader_idx, as Lightning's
+evaluation loop does; the default for several evaluation loaders stays one after another (user_loaders.Several).
 """
 
 from __future__ import annotations
@@ -112,6 +114,52 @@ def _stream_loader(data: Any, what: str, *, batch_size: int, **options: Any) -> 
         num_workers=options["num_workers"],
         pin_memory=options["pin_memory"],
     )
+
+
+def evaluation_loader(data: Any, what: str, **options: Any) -> Any:
+    """This rank's part of one validation or test source: a Combined (Lightning's non-sequential CombinedLoader) of
+    loaders each sharded as alone (user_loaders.evaluation_loader), or any other data as user_loaders makes it."""
+    if not isinstance(data, Combined):
+        return user_loaders.evaluation_loader(data, what, **options)
+    names = data.keys or range(len(data.loaders))
+    loaders = [
+        user_loaders.evaluation_loader(each, f"{what}[{name}]", **options) for name, each in zip(names, data.loaders)
+    ]
+    return CombinedEvalLoader(data, loaders)
+
+
+class CombinedEvalLoader:
+    """Validation or test batches of several loaders combined, as Lightning's CombinedLoader in its mode gives them
+    (no dataloader_idx): "max_size_cycle" re-reads a shorter loader until the longest ends, "max_size" gives None
+    for one that is done, "min_size" ends with the shortest. Each is this rank's uneven shard (nothing twice), so the
+    lengths are found by reading, streams included; a loader with no batch on this rank gives None."""
+
+    batch_size = None
+
+    def __init__(self, combined: Combined, loaders: list[Any]) -> None:
+        self.keys, self.mode, self.loaders = combined.keys, combined.mode, loaders
+        self.dataset = loaders[0].dataset  # for messages: the first loader's
+
+    def __iter__(self) -> Iterator[Any]:
+        iterators: list[Iterator[Any] | None] = [iter(loader) for loader in self.loaders]
+        ended = [False] * len(self.loaders)
+        while True:
+            batches = []
+            for i, loader in enumerate(self.loaders):
+                batch = next(iterators[i], _END) if iterators[i] is not None else None
+                if batch is _END:
+                    ended[i] = True
+                    if self.mode == "min_size":
+                        return
+                    if self.mode == "max_size_cycle" and not all(ended):
+                        iterators[i] = iter(loader)
+                        batch = next(iterators[i], None)
+                    else:
+                        iterators[i], batch = None, None
+                batches.append(batch)
+            if all(ended):  # the longest has ended: its step is not one
+                return
+            yield dict(zip(self.keys, batches)) if self.keys is not None else batches
 
 
 class _Generators:

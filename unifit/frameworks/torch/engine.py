@@ -148,7 +148,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if val is not None and cfg.limit_val_batches != 0:
             shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
             self.val_loaders = [
-                user_loaders.evaluation_loader(
+                combined.evaluation_loader(
                     each,
                     "val_dataset()",
                     batch_size=cfg.batch_size,

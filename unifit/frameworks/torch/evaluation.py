@@ -13,8 +13,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from unifit.errors import ConfigError
+from unifit.frameworks.torch import combined, input_path, iterable, pruning, user_loaders
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch import input_path, iterable, pruning, user_loaders
 from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
@@ -56,7 +56,7 @@ class TorchEvaluation:
             )
         several = user_loaders.each_loader(dataset)
         self.eval_loaders = [
-            user_loaders.evaluation_loader(
+            combined.evaluation_loader(
                 each,
                 f"{source}()",
                 batch_size=cfg.batch_size,
@@ -116,11 +116,13 @@ class TorchEvaluation:
                 yield batch
 
     def _place_on_device(self, loader: Any, what: str) -> None:
-        """In-memory data onto the GPU where trainer.data_on_device says so (input_path.place_on_device)."""
-        dataset = getattr(loader, "dataset", None)
+        """In-memory data onto the GPU where trainer.data_on_device says so (input_path.place_on_device); each
+        loader of a combination on its own."""
         cfg = self.config
-        if input_path.place_on_device(dataset, self.device, cfg.data_on_device, cfg.num_workers, what):
-            loader.pin_memory = False  # its batches are on the device already
+        for each in getattr(loader, "loaders", [loader]):
+            dataset = getattr(each, "dataset", None)
+            if input_path.place_on_device(dataset, self.device, cfg.data_on_device, cfg.num_workers, what):
+                each.pin_memory = False  # its batches are on the device already
 
     def eval_indices(self, loader: int = 0) -> Sequence[int]:
         return user_loaders.shard_indices(self.eval_loaders[loader])

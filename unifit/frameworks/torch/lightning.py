@@ -538,11 +538,12 @@ def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:
     keys = list(loaders) if isinstance(loaders, dict) else None
     items = list(loaders.values()) if isinstance(loaders, dict) else list(loaders)
     if several_ok:
-        if mode not in (None, "sequential"):
+        if mode in (None, "sequential"):  # one after another, each step told its dataloader_idx
+            return items[0] if len(items) == 1 else Several(items)
+        if "predict" in what:
             raise ConfigError(
-                f"{what} returned CombinedLoader(mode={mode!r}); unifit evaluates several loaders one after "
-                "another (Lightning's default, mode='sequential'), and combined evaluation batches are not built: "
-                "return the list of loaders"
+                f"{what} returned CombinedLoader(mode={mode!r}); predict runs mode='sequential' only, as "
+                "Lightning's trainer.predict() does: return the list of loaders"
             )
-        return items[0] if len(items) == 1 else Several(items)
+        return Combined(items, keys, mode, what)  # validation / test batches combined, as Lightning's loop gives them
     return Combined(items, keys, mode or "max_size_cycle", what)
