@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 missing=$(python3 - <<'PY'
 import importlib.util
 need = ["torch", "pydantic", "yaml", "fsspec", "tqdm", "tensorboard", "psutil", "pytest", "pytest_timeout", "lightning"]
@@ -16,5 +16,8 @@ PY
 )
 [ -n "$missing" ] && echo "gpu_check: missing on this machine: $missing (carry them as wheels: see the device README)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu_name.txt"
-timeout "${1:-360}" python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+# the tests launch their own processes (torchrun --standalone picks free ports): with pytest-xdist they run side by side
+parallel=$(python3 -c "import importlib.util as u; print('-n 8' if u.find_spec('xdist') else '')")
+timeout "${1:-360}" python3 -m pytest tests/gpu -v -p no:cacheprovider $parallel 2>&1 | tee "$out/gpu_tests.log" | tail -40
+tar czf "$out/gpu_zoo.tgz" benchmarks/results/gpu_zoo_*.json 2>/dev/null  # what test_model_zoo_on_one_gpu wrote
 timeout "${2:-240}" python3 benchmarks/gpu_overhead.py --reps "${REPS:-1}" --out "$out/gpu_overhead.md" 2>&1 | tail -30
