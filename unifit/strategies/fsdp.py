@@ -53,9 +53,9 @@ class FSDPOptions(ProcessGroupOptions):
         "auto",
         description="with precision bf16-mixed: the dtype parameters are gathered in for forward and backward "
         "(autocast computes in bfloat16 either way; gradients are reduced in float32). bfloat16 "
-        "halves the all-gather traffic and the unsharded parameters' memory; on CPU, whose "
-        "autocast leaves norm layers to their inputs' dtype, it fails on modules that mix float32 "
-        "activations with bfloat16 norm weights. auto: bfloat16 on GPUs, float32 on CPU",
+        "halves the all-gather traffic and the unsharded parameters' memory; BatchNorm-like layers "
+        "(running statistics) keep float32 weights and compute in float32. auto: bfloat16 on GPUs, "
+        "float32 on CPU",
     )
 
 
@@ -70,6 +70,7 @@ class FSDPStrategy(DDPStrategy):
     shards_parameters = True
     _checkpoint_group: Any = None
     _views: _ViewOutputs | None = None
+    _unfreezing: _UnfreezingGroups | None = None
 
     def setup(self) -> None:
         super().setup()
@@ -158,10 +159,20 @@ class FSDPStrategy(DDPStrategy):
             "reshard_after_forward": opts.reshard_after_forward,
             "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1)),
         }
-        if self.precision.name == "bf16-mixed" and self._param_dtype(device) == "bfloat16":
-            settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        norms: list[Any] = []
         if opts.cpu_offload:
             settings["offload_policy"] = CPUOffloadPolicy()
+        if self.precision.name == "bf16-mixed" and self._param_dtype(device) == "bfloat16":
+            settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # a norm layer with running statistics keeps float32 weights beside them, and computes in float32
+            # (its inputs cast): batch norm refuses bfloat16 weights with float32 statistics (CUDA) or bfloat16
+            # inputs with float32 weights (CPU)
+            norms = _norms_with_statistics(step_module.module)
+            units = [unit for unit in units if unit not in norms]
+            as_float32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+            for norm in norms:
+                fully_shard(norm, **{**settings, "mp_policy": as_float32})
+            self._unfreezing = _UnfreezingGroups(step_module)
         for unit in units:
             fully_shard(unit, **settings)
         fully_shard(step_module, **settings)  # the root: what no unit holds, and the step's entry
@@ -176,10 +187,11 @@ class FSDPStrategy(DDPStrategy):
         if self.is_global_zero:
             gathered = self._param_dtype(device) if self.precision.name == "bf16-mixed" else "float32"
             log.info(
-                "fsdp: %d unit(s) sharded (%s), parameters gathered in %s",
+                "fsdp: %d unit(s) sharded (%s), parameters gathered in %s%s",
                 len(units),
                 ", ".join(sorted({_unit_name(u) for u in units})) or "the root only",
                 gathered,
+                f" ({len(norms)} norm layer(s) in float32, beside their running statistics)" if norms else "",
             )
         return step_module
 
@@ -192,6 +204,8 @@ class FSDPStrategy(DDPStrategy):
     def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:
         if self._views is not None:
             self._views.check_unmodified()  # an in-place op on a unit's view output would skip its all-gather
+        if self._unfreezing is not None:
+            self._unfreezing.refresh()
         super().backward(loss, *args, run=run, **kwargs)
 
     def _mesh(self, device: Any) -> Any:
@@ -312,11 +326,40 @@ class FSDPStrategy(DDPStrategy):
     def full_model_state(self, module: Any) -> dict[str, Any]:
         if not _is_sharded(module):
             return super().full_model_state(module)
+        import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(
-            sharded_state.state_module(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        owner = sharded_state.state_module(module)
+        if dist.get_backend() == "gloo":  # gloo's all-gather of CUDA tensors crashes (pytorch#152645): via host
+            return _gathered_through_host(get_model_state_dict(owner), self.is_global_zero)
+        return get_model_state_dict(owner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _gathered_through_host(state: dict[str, Any], keep: bool) -> dict[str, Any]:
+    """`state`'s sharded tensors gathered whole from host copies of the shards (what get_model_state_dict's
+    full_state_dict does on the devices); on the rank that `keep`s them, the rest get {}."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    hosts: dict[int, Any] = {}
+    whole = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            if id(mesh) not in hosts:  # the same ranks and groups, for host tensors
+                groups = mesh.get_all_groups()
+                hosts[id(mesh)] = DeviceMesh.from_group(
+                    groups if len(groups) > 1 else groups[0],
+                    "cpu",
+                    mesh=mesh.mesh,
+                    mesh_dim_names=mesh.mesh_dim_names,
+                )
+            shard = value.to_local().detach().cpu()
+            value = DTensor.from_local(
+                shard, hosts[id(mesh)], value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            ).full_tensor()
+        whole[key] = value.detach().cpu() if hasattr(value, "detach") else value
+    return whole if keep else {}
 
 
 def _refuse_float16(precision: Any) -> None:
@@ -393,6 +436,44 @@ def _tensors(output: Any) -> Iterator[Any]:
 def _unit_name(unit: Any) -> str:
     modules = unit if isinstance(unit, list) else [unit]
     return "+".join(type(m).__name__.removeprefix("FSDP") for m in modules)
+
+
+class _UnfreezingGroups:
+    """Units whose parameters were all frozen at FSDP's lazy init (a backbone, before BackboneFinetuning unfreezes
+    it). FSDP2 fixes a unit's gradient dtypes then, from its trainable parameters: with none, a unit unfrozen
+    later would hand its bfloat16 gradients to the float32 parameters, which torch refuses. Before each backward
+    the units unfrozen since are given their dtypes again (the check costs nothing once none is left frozen)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.frozen: list[Any] | None = None  # known after the first forward (FSDP's lazy init)
+
+    def refresh(self) -> None:
+        if self.frozen is None:
+            from torch.distributed.fsdp import FSDPModule
+
+            groups = (m._get_fsdp_state()._fsdp_param_group for m in self.root.modules() if isinstance(m, FSDPModule))
+            self.frozen = [g for g in groups if g is not None and not _trainable(g)]
+        if not self.frozen:
+            return
+        for group in [g for g in self.frozen if _trainable(g)]:
+            group._init_mp_dtypes()
+            self.frozen.remove(group)
+
+
+def _trainable(group: Any) -> bool:
+    return any(p.sharded_param.requires_grad for p in group.fsdp_params)
+
+
+def _norms_with_statistics(model: Any) -> list[Any]:
+    """BatchNorm-like layers (running mean and variance) that have weights."""
+    import torch
+
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 def _placement(parameter: Any, ranks: int) -> Any:
