@@ -3,6 +3,7 @@ own Trainer, on every torch strategy (from YAML too), resumable; what unifit can
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import lightning as L
@@ -527,7 +528,8 @@ class _TwoLoaders(BoringModel):
 
         first = torch.utils.data.DataLoader(torch.arange(16.0).reshape(8, 2), batch_size=1)
         rows = torch.arange(100.0, 106.0).reshape(3, 2)
-        second = torch.utils.data.DataLoader(_Rows(rows) if self.stream else rows, batch_size=1)
+        data = {False: rows, True: _Rows(rows), "endless": _EndlessRows(rows)}[self.stream]
+        second = torch.utils.data.DataLoader(data, batch_size=1)
         return [first, second] if self.mode is None else CombinedLoader([first, second], mode=self.mode)
 
     def training_step(self, batch, batch_idx):
@@ -550,17 +552,40 @@ class _Rows(torch.utils.data.IterableDataset):
         return len(self.rows)
 
 
+class _EndlessRows(torch.utils.data.IterableDataset):
+    """An endless stream (no __len__): its rows over and over, from the first on each iteration."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return itertools.cycle(self.rows)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode, stream", [(None, False), ("min_size", False), ("max_size", False), (None, True)])
-def test_several_training_loaders_combine_as_lightnings_combined_loader(tmp_path, mode, stream):
+@pytest.mark.parametrize(
+    "mode, stream, steps",
+    [
+        (None, False, None),
+        ("min_size", False, None),
+        ("max_size", False, None),
+        (None, True, None),
+        (None, "endless", 11),  # an endless epoch, as in Lightning: trained by max_steps, the other loader cycling
+        ("min_size", "endless", None),  # ends with the other loader, the stream read again each epoch
+    ],
+)
+def test_several_training_loaders_combine_as_lightnings_combined_loader(tmp_path, mode, stream, steps):
     """(None, True): the short loader is a stream, cycled by re-reading it as Lightning's does."""
     torch.manual_seed(0)
     theirs = _TwoLoaders(mode, stream)
-    lightning_trainer(max_epochs=2).fit(theirs)
+    lightning_trainer(max_epochs=2, max_steps=steps or -1).fit(theirs)
     torch.manual_seed(0)
     ours = _TwoLoaders(mode, stream)
-    Trainer(strategy="single", max_epochs=2, root_dir=str(tmp_path), lr_scaling="none", **QUIET).fit(ours)
+    Trainer(strategy="single", max_epochs=2, max_steps=steps, root_dir=str(tmp_path), lr_scaling="none", **QUIET).fit(
+        ours
+    )
     assert ours.seen == theirs.seen  # None (max_size_cycle): the short loader cycles, 8 steps an epoch
+    assert len(ours.seen) == (steps or len(theirs.seen)) and len(ours.seen) >= 6
     for key, value in _weights(theirs).items():
         torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7)
 
@@ -594,6 +619,11 @@ def test_a_combined_validation_loader_gives_combined_batches_as_lightning(tmp_pa
     our_metrics = Trainer(root_dir=str(tmp_path), **QUIET).validate(ours)
     assert ours.seen == theirs.seen and len(ours.seen) == (2 if mode == "min_size" else 5)
     assert our_metrics["val_total"] == pytest.approx(their_metrics["val_total"], rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_an_endless_stream_among_several_loaders_without_max_steps_is_one_line():
+    _bad(_TwoLoaders(None, "endless"), "makes the epoch endless, as in Lightning; set trainer.max_steps")
 
 
 class _SequentialTraining(_TwoLoaders):

@@ -14,7 +14,7 @@ from unifit.callbacks.run_directory import ModelExport, RunDirectory
 from unifit.callbacks.time_limit import TimeLimit
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
-from unifit.loggers import Logger, LoggerConnector
+from unifit.loggers import DeviceStatsConnector, Logger, LoggerConnector
 from unifit.loop.callback import Callback
 
 __all__ = [
@@ -64,7 +64,11 @@ def default_callbacks(
             "add one (e.g. trainer.loggers: [tensorboard]) or turn device_stats off"
         )
     if loggers:
-        callbacks.append(LoggerConnector(loggers, cfg.tensorboard.log_every_n_steps, cfg.device_stats))
+        every = cfg.tensorboard.log_every_n_steps
+        if cfg.device_stats.enabled:
+            callbacks.append(DeviceStatsConnector(loggers, every, cfg.device_stats))
+        else:
+            callbacks.append(LoggerConnector(loggers, every))
     callbacks.append(RunDirectory(cfg.root_dir, cfg.storage_options))
     if cfg.export_dir:
         callbacks.append(ModelExport(cfg.export_dir, cfg.storage_options))

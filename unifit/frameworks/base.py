@@ -58,6 +58,13 @@ class Engine(ABC):
         being accumulated survive it)."""
         return False
 
+    @property
+    def forks_loader_workers_each_epoch(self) -> bool:
+        """Whether each training epoch forks new loader worker processes (a stream's loader with workers): a
+        fork copies whatever lock a background thread holds at that moment, so the loop lets its own
+        background work (a checkpoint's commit) finish first."""
+        return False
+
     @contextmanager
     def validating(self) -> Iterator[None]:
         """Around one validation inside fit, its hooks included: the model in evaluation mode (where the

@@ -10,9 +10,9 @@ from unifit._imports import load_object
 from unifit.config.schema import ClassPath, TrainerConfig
 from unifit.errors import ConfigError
 from unifit.loggers.base import Logger, NoOpExperiment, RunInfo
-from unifit.loggers.connector import LoggerConnector
+from unifit.loggers.connector import DeviceStatsConnector, LoggerConnector
 
-__all__ = ["Logger", "LoggerConnector", "NoOpExperiment", "RunInfo", "build_loggers"]
+__all__ = ["DeviceStatsConnector", "Logger", "LoggerConnector", "NoOpExperiment", "RunInfo", "build_loggers"]
 
 
 # a logger name in trainer.loggers -> its class (imported only when named)

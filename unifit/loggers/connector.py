@@ -21,13 +21,11 @@ log = logging.getLogger("unifit")
 class LoggerConnector(Callback):
     rank_zero_only = True
 
-    def __init__(self, loggers: list[Logger], log_every_n_steps: int, device_stats: Any = None) -> None:
+    def __init__(self, loggers: list[Logger], log_every_n_steps: int) -> None:
         self.loggers = loggers
         self.every = log_every_n_steps
         self._next_step = log_every_n_steps
         self._status = "success"
-        self._device_stats: Any = device_stats if device_stats is not None and device_stats.enabled else None
-        self._at_batch_start: dict[str, float] = {}  # DeviceStatsMonitor's on_train_batch_start values
 
     @property
     def state_key(self) -> str:
@@ -65,10 +63,6 @@ class LoggerConnector(Callback):
         for logger in self.loggers:
             logger.log_metrics(metrics, step)
 
-    def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
-        if self._device_stats is not None and ctx.state.global_step + 1 >= self._next_step:  # a logged step ahead
-            self._at_batch_start = self._read_device_stats("on_train_batch_start")
-
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         step = ctx.state.global_step
         if step < self._next_step or not self.loggers:
@@ -78,16 +72,13 @@ class LoggerConnector(Callback):
         if loss is not None:  # None: a skipped batch
             logged["train/loss_step"] = float(loss)
         logged["lr_step"] = ctx.current_lrs()[0]
-        if self._device_stats is not None:
-            logged.update(self._at_batch_start)
-            logged.update(self._read_device_stats("on_train_batch_end"))
-            self._at_batch_start = {}
+        logged.update(self._step_extras())
         for logger in self.loggers:
             logger.log_metrics(logged, step)
 
-    def _read_device_stats(self, hook: str) -> dict[str, float]:
-        stats = device_stats(self._device_stats.cpu_stats)
-        return {f"DeviceStatsMonitor.{hook}/{key}": value for key, value in stats.items()}
+    def _step_extras(self) -> dict[str, float]:
+        """More values for a logged step (DeviceStatsConnector's)."""
+        return {}
 
     def on_epoch_end(self, ctx: Any) -> None:
         metrics = {**ctx.state.metrics, "epoch": ctx.state.epoch}
@@ -123,3 +114,27 @@ class LoggerConnector(Callback):
         for key, logger in self._keys():
             if key in state:
                 logger.load_state_dict(state[key])
+
+
+class DeviceStatsConnector(LoggerConnector):
+    """LoggerConnector with trainer.device_stats (Lightning's DeviceStatsMonitor): each logged step also gets the
+    device's statistics read at its start and its end. A class of its own, so that runs without it have no
+    callback at each batch's start."""
+
+    def __init__(self, loggers: list[Logger], log_every_n_steps: int, settings: Any) -> None:
+        super().__init__(loggers, log_every_n_steps)
+        self.settings = settings
+        self._at_batch_start: dict[str, float] = {}  # DeviceStatsMonitor's on_train_batch_start values
+
+    def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
+        if ctx.state.global_step + 1 >= self._next_step:  # a logged step ahead
+            self._at_batch_start = self._read("on_train_batch_start")
+
+    def _step_extras(self) -> dict[str, float]:
+        extras = {**self._at_batch_start, **self._read("on_train_batch_end")}
+        self._at_batch_start = {}
+        return extras
+
+    def _read(self, hook: str) -> dict[str, float]:
+        stats = device_stats(self.settings.cpu_stats)
+        return {f"DeviceStatsMonitor.{hook}/{key}": value for key, value in stats.items()}

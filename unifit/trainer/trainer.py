@@ -283,6 +283,8 @@ class Trainer:
                 break  # resumed from a checkpoint taken at max_steps
             skip = progress.batch_in_epoch  # > 0 only in the first epoch of a resume from a mid-epoch checkpoint
             dispatch(Event.TRAIN_EPOCH_START)
+            if engine.forks_loader_workers_each_epoch and self._run is not None:
+                self._run.checkpoints.wait()  # no commit thread mid-write while the loader forks its workers
             batch_start, batch_end = (
                 dispatch.handlers(Event.TRAIN_BATCH_START),
                 dispatch.handlers(Event.TRAIN_BATCH_END),

@@ -78,31 +78,45 @@ class CombinedTrainLoader:
             yield dict(zip(self.keys, batches)) if self.keys is not None else batches
 
 
-def shard(combined: Combined, *, seed: int, **options: Any) -> CombinedTrainLoader:
-    """Each loader sharded for this rank as a single one is (a dataset or arrays with unifit's own loader)."""
-    loaders = []
+def shard(combined: Combined, *, seed: int, limit: int | None = None, **options: Any) -> CombinedTrainLoader:
+    """Each loader sharded for this rank as a single one is (a dataset or arrays with unifit's own loader). A
+    stream without __len__ is read for as many batches as the combined epoch takes (`limit`: the run's
+    limit_train_batches or max_steps' batches)."""
+    loaders: list[Any] = [None] * len(combined.loaders)
+    endless = []
     for i, each in enumerate(combined.loaders):
         what = f"{combined.what}[{combined.keys[i] if combined.keys else i}]"
+        if iterable.is_stream(each) and not _sized(each):
+            endless.append((i, each, what))
+            continue
         if iterable.is_stream(each):  # cut into batches dealt to the ranks, as a stream trained alone
-            loader = _stream_loader(each, what, **options)
+            loaders[i] = _stream_loader(each, what, limit=None, **options)
         else:
-            loader = user_loaders.train_loader_for(each, what, seed=seed + i, **options)  # options: train_loader_for's
-        if len(loader) == 0:
+            loaders[i] = user_loaders.train_loader_for(each, what, seed=seed + i, **options)  # train_loader_for's
+        if len(loaders[i]) == 0:
             raise ConfigError(f"{what}: no batch on this rank; give it more data or a smaller batch")
-        loaders.append(loader)
+    sized = [len(loader) for loader in loaders if loader is not None]
+    for i, each, what in endless:  # Lightning sizes such a stream as endless: min_size ends with the others
+        epoch = min(sized) if combined.mode == "min_size" and sized else None
+        epoch = min(epoch, limit) if epoch and limit else epoch or limit
+        if not epoch:
+            raise ConfigError(
+                f"{what}: an IterableDataset without __len__ among several training loaders in mode "
+                f"{combined.mode!r} makes the epoch endless, as in Lightning; set trainer.max_steps (one epoch of "
+                "that many steps) or trainer.limit_train_batches, or give the stream a __len__"
+            )
+        loaders[i] = _stream_loader(each, what, limit=epoch, **options)
     return CombinedTrainLoader(combined, loaders)
 
 
-def _stream_loader(data: Any, what: str, *, batch_size: int, **options: Any) -> Any:
-    """A stream among several loaders: its length must be known (the combination's epoch is sized by every
-    loader's batches); its own DataLoader's batch size, if it has one."""
+def _sized(data: Any) -> bool:
+    return hasattr(data.dataset if user_loaders.is_loader(data) else data, "__len__")
+
+
+def _stream_loader(data: Any, what: str, *, batch_size: int, limit: int | None, **options: Any) -> Any:
+    """A stream among several loaders, read as a stream alone (`limit`: its batches per epoch, where it has
+    no __len__); its own DataLoader's batch size, if it has one."""
     own = user_loaders.loader_batch_size(data) if user_loaders.is_loader(data) else None
-    stream = data.dataset if user_loaders.is_loader(data) else data
-    if not hasattr(stream, "__len__"):
-        raise ConfigError(
-            f"{what}: an IterableDataset without __len__ among several training loaders; the combined epoch is "
-            "sized by every loader's batches: give the stream a __len__, or train on the stream alone"
-        )
     return iterable.stream_loader(
         data,
         what,
@@ -110,7 +124,7 @@ def _stream_loader(data: Any, what: str, *, batch_size: int, **options: Any) -> 
         world_size=options["world_size"],
         rank=options["rank"],
         train=True,
-        limit=None,
+        limit=limit,
         num_workers=options["num_workers"],
         pin_memory=options["pin_memory"],
     )

@@ -102,6 +102,8 @@ class TorchEngine(TorchEvaluation, Engine):
         cfg = self.config = self._adopt_batch_size(train)
         shards = (1, 0) if presharded else (strategy.world_size, strategy.rank)
         self._stream = iterable.is_stream(train)
+        # an endless stream trained by steps: one epoch of max_steps (Lightning's)
+        limit = cfg.limit_train_batches or (cfg.max_steps and cfg.max_steps * cfg.accumulate_grad_batches)
         if self._stream:  # an IterableDataset: batches dealt to ranks and workers (iterable.py)
             self.train_loader = iterable.stream_loader(
                 train,
@@ -110,8 +112,7 @@ class TorchEngine(TorchEvaluation, Engine):
                 world_size=shards[0],
                 rank=shards[1],
                 train=True,
-                # an endless stream trained by steps: one epoch of max_steps (Lightning's)
-                limit=cfg.limit_train_batches or (cfg.max_steps and cfg.max_steps * cfg.accumulate_grad_batches),
+                limit=limit,
                 num_workers=cfg.num_workers,
                 pin_memory=pin,
             )
@@ -126,7 +127,7 @@ class TorchEngine(TorchEvaluation, Engine):
                 pin_memory=pin,
             )
             if isinstance(train, combined.Combined):  # several loaders, a batch of each per step (Lightning's)
-                self.train_loader = combined.shard(train, **options)
+                self.train_loader = combined.shard(train, limit=limit or None, **options)
             else:
                 what = "train_dataloader()" if user_loaders.is_loader(train) else "train_dataset()"
                 self.train_loader = user_loaders.train_loader_for(train, what, **options)
@@ -275,6 +276,11 @@ class TorchEngine(TorchEvaluation, Engine):
     @property
     def validates_mid_accumulation(self) -> bool:
         return bool(self.training.validates_mid_accumulation)
+
+    @property
+    def forks_loader_workers_each_epoch(self) -> bool:
+        loaders = getattr(self.train_loader, "loaders", [self.train_loader])  # a combination's, or the one
+        return any(getattr(x, "num_workers", 0) > 0 and not getattr(x, "persistent_workers", False) for x in loaders)
 
     @property
     def optimizer_steps(self) -> int:
