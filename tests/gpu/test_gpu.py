@@ -1,5 +1,5 @@
 """GPU paths: CUDA devices, NCCL, mixed precision, resume. Skipped with the reason where CUDA is absent;
-run for real on a GPU machine (the last run: benchmarks/results/gpu_tests.log, gpu_tests_rerun.log)."""
+run for real on a GPU machine (the last runs: benchmarks/results/gpu_tests*.log)."""
 
 from __future__ import annotations
 
