@@ -15,7 +15,7 @@ Runs are interleaved, each in its own process; of EPOCHS epochs the first warms 
 allocator, each later one is timed with the GPU synchronized at both ends, and a run's figure is the median
 of its timed epochs. The table is rewritten after every rep, so a run cut short still leaves its results.
 
-    python benchmarks/gpu_overhead.py [--reps 2] [--steps 60] [--models resnet18,transformer] [--out ...]
+    python benchmarks/gpu_overhead.py [--reps 2] [--steps N] [--models resnet18,transformer] [--out ...]
     python benchmarks/gpu_overhead.py --smoke      # CPU, 2 steps a run, models without torchvision: checks the script
 
 Reports samples/s and peak GPU memory (torch.cuda.max_memory_allocated) per runner, and the ratios
@@ -39,6 +39,9 @@ from bench_modules import lightning_classifier, unifit_classifier  # beside this
 RUNNERS = ("raw", "unifit", "lightning")
 PRECISIONS = ("32-true", "bf16-mixed")
 BATCH = {"resnet18": 256, "transformer": 64}
+# steps per epoch: the transformer's steps take ~9 ms (bound by kernel launches), so its epochs are longer, or one
+# rep's ratio swings by 0.2-0.3 (benchmarks/results/gpu_overhead_transformer_run2.txt)
+STEPS = {"resnet18": 60, "transformer": 200}
 EPOCHS = 4
 SHARDED = (("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2))  # (strategy, ranks on the one GPU)
 SEQUENCE, VOCAB = 128, 4096
@@ -208,7 +211,8 @@ def child(runner: str, model: str, precision: str, steps: int, workers: int) -> 
 def _measure(args: argparse.Namespace, env: dict[str, str], runner: str, model: str, precision: str) -> dict:
     """One run in its own process(es): the slowest rank's samples/s (a step waits for every rank) and the
     largest rank's peak memory."""
-    script = [__file__, "--child", runner, model, precision, "--steps", str(args.steps), "--workers", str(args.workers)]
+    steps = args.steps or STEPS[model]
+    script = [__file__, "--child", runner, model, precision, "--steps", str(steps), "--workers", str(args.workers)]
     script += ["--smoke"] if args.smoke else []
     if ":" in runner:
         ranks = runner.split(":")[1]
@@ -229,7 +233,7 @@ def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per epoch")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per epoch (default: STEPS)")
     parser.add_argument("--models", default="resnet18,transformer")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers (the same for all runners)")
     parser.add_argument("--out", default="benchmarks/results/gpu_overhead.md")
@@ -285,14 +289,16 @@ def write(
     import torch
 
     batches = ", ".join(f"{m} batch {BATCH[m]}" for m in args.models.split(","))
+    steps_text = args.steps or ", ".join(f"{STEPS[m]} ({m})" for m in args.models.split(","))
     lines = [
         "# GPU overhead: unifit vs a hand-written loop vs Lightning, and the fsdp step",
         "",
-        f"Command: `python benchmarks/gpu_overhead.py --reps {args.reps} --steps {args.steps} --models {args.models} "
+        f"Command: `python benchmarks/gpu_overhead.py --reps {args.reps}{f' --steps {args.steps}' if args.steps else ''} "
+        f"--models {args.models} "
         f"--workers {args.workers}` ({seconds / 60:.1f} min)",
         f"Machine: {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
         f"date {time.strftime('%Y-%m-%d')}; {batches}; median of {reps} interleaved runs, each in its own process; "
-        f"each run: median of epochs 2-{EPOCHS} of {args.steps} steps (GPU synchronized at both ends).",
+        f"each run: median of epochs 2-{EPOCHS} of {steps_text} steps (GPU synchronized at both ends).",
         "",
         "| model, precision | raw samples/s | unifit samples/s | Lightning samples/s | unifit/raw | unifit/raw per rep (median) | unifit/Lightning | peak GPU MB raw / unifit / Lightning |",
         "|---|---|---|---|---|---|---|---|",
