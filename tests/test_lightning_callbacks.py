@@ -320,6 +320,36 @@ def test_stochastic_weight_averaging_runs_unchanged_as_under_lightning_and_resum
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-6, atol=1e-7)
 
 
+class _BatchNormRegressor(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+
+
+@pytest.mark.timeout(120)
+def test_stochastic_weight_averaging_on_batch_norm_adds_lightnings_forward_only_epoch(tmp_path):
+    """With BatchNorm, Lightning's SWA adds an epoch of forward passes (no backward, no step) that recomputes the
+    statistics for the averaged weights: unifit runs it as Lightning does, and ends with Lightning's weights and
+    statistics; the epoch trains nothing (the optimizer step count stays) and is logged and checkpointed."""
+    torch.manual_seed(0)
+    theirs = _BatchNormRegressor()
+    _lightning(max_epochs=5, callbacks=[_swa()]).fit(theirs)
+    torch.manual_seed(0)
+    ours = _BatchNormRegressor()
+    trainer = unifit.Trainer(max_epochs=5, root_dir=str(tmp_path), callbacks=[_swa()], batch_size=8, **QUIET)
+    state = trainer.fit(ours)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert state.progress.epoch == 6 and state.global_step == 5 * 8  # 8 batches an epoch, the sixth steps nothing
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch=*"))
+    assert checkpoints[-1] == "epoch=0006-step=0000040", checkpoints
+    with pytest.raises(ConfigError, match="the accumulation is set once per fit"):
+        trainer_view = ours.trainer
+        trainer_view.accumulate_grad_batches = 3
+
+
 class _EarlyStoppingWithHook(EarlyStopping):
     def on_validation_end(self, trainer, pl_module) -> None:
         print("custom")
@@ -349,8 +379,6 @@ class _TrainModule(unifit.TrainModule):
 @pytest.mark.timeout(120)
 def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
     _refused("Lightning's BatchSizeFinder is not run by unifit", callbacks=[BatchSizeFinder()])
-    batch_norm = torch.nn.Sequential(torch.nn.Linear(32, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
-    _refused("WeightAveraging", module=_WithBatchNorm(batch_norm), callbacks=[_swa()])
     _refused(
         "sets trainer.checkpoint.keep_last_n, which the config sets to another value",
         callbacks=[ModelCheckpoint(monitor="x")],

@@ -238,15 +238,18 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
     """2 hosts x 2 ranks: hybrid sharding (shard within a host, replicate across hosts), every rank
     writing its shards to the shared directory; resumed with full sharding over all 4 ranks (DCP reshards)."""
     root = tmp_path / "fsdp"
-    out = run_job(
-        cluster,
-        root,
-        torchrun_hosts(cluster, 2, "rdzv"),
-        _fit_args("fsdp", root, 2, extra=("--trainer.strategy_options", "{sharding: hybrid}")),
-        "first",
-    )
+    hybrid = ("--trainer.strategy_options", "{sharding: hybrid}", "--trainer.export_dir", str(root / "export"))
+    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "rdzv"), _fit_args("fsdp", root, 2, extra=hybrid), "first")
     assert "fsdp: hybrid sharding, 2 node(s) x 2 rank(s)" in out, out[-4000:]
-    check_job(root, 4, range(2), [1, 2])
+    trained = check_job(root, 4, range(2), [1, 2])
+    # the export, gathered from the 2-D mesh's shards through host memory: the trained model, whole
+    import torch
+
+    from tests.probe.probe import ProbeModule, _digest
+
+    exported = ProbeModule(n_train=64, n_val=37)
+    exported.load_state_dict(torch.load(root / "export" / "model.pt", weights_only=True))
+    assert _digest(exported) == trained[0]["weights_sha256"]
     assert len(list((root / "checkpoints" / "epoch=0002-step=0000004" / "shards").glob("__*_0.distcp"))) == 4
     shutil.rmtree(root / "reports")
     out = run_job(

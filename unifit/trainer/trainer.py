@@ -6,6 +6,7 @@ framework axis); it never asks which strategy or framework it is running.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -278,7 +279,9 @@ class Trainer:
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
         cfg, state, progress = ctx.config, ctx.state, ctx.state.progress  # this fit's (max_steps: its epochs)
         check_every = _val_check_batches(cfg, progress.batches_per_epoch, engine.validates_mid_accumulation)
-        for epoch in range(progress.epoch, cfg.max_epochs):
+        for epoch in itertools.count(progress.epoch):
+            if epoch >= ctx.config.max_epochs:  # read each epoch: a callback may add one (SWA's BatchNorm epoch)
+                break
             if cfg.max_steps is not None and progress.optimizer_step >= cfg.max_steps:
                 break  # resumed from a checkpoint taken at max_steps
             skip = progress.batch_in_epoch  # > 0 only in the first epoch of a resume from a mid-epoch checkpoint
@@ -321,7 +324,7 @@ class Trainer:
             metrics.update(_lr_metrics(engine))
             state.metrics = metrics
             dispatch(Event.TRAIN_EPOCH_END)
-            last = epoch + 1 == cfg.max_epochs or state.should_stop
+            last = epoch + 1 == ctx.config.max_epochs or state.should_stop
             validate = validates or (engine.has_validation and last)
             if validate:
                 self._validate(engine, strategy, dispatch, ctx)

@@ -307,7 +307,12 @@ class TorchEngine(TorchEvaluation, Engine):
         self.collector.batch_count = count
         accumulate = self.accumulate
         loss: torch.Tensor | None
-        if self._plain:
+        if self.module.forward_only:  # the module's statistics (BatchNorm's) see the batch; nothing is trained
+            with self.training.accumulating(self.wrapped), self.precision.autocast():
+                out = self._forward(batch, batch_idx)
+            loss = None if out is None else _loss_of(out)
+            accumulate = 1
+        elif self._plain:
             out = self._forward(batch, batch_idx)
             loss = None if out is None else _loss_of(out)
             if loss is not None:

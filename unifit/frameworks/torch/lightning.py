@@ -107,13 +107,6 @@ class LightningAdapter(TrainModule):
 
     def attach_strategy(self, strategy: Any) -> None:
         self.view.dist = strategy
-        averaging = [cb for cb in self._running() if derives_from(cb, "StochasticWeightAveraging", *LIGHTNING)]
-        if averaging and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.lightning.modules()):
-            raise ConfigError(
-                "trainer.callbacks: Lightning's StochasticWeightAveraging on a model with BatchNorm adds an epoch of "
-                "forward passes inside Lightning's own fit loop to recompute the statistics, which unifit does not "
-                "run yet: use Lightning's WeightAveraging (it averages the BatchNorm buffers too), which unifit runs"
-            )
         if not getattr(strategy, "shards_parameters", False):
             return
         for kind, reason in _WHOLE_MODEL_CALLBACKS.items():
@@ -281,6 +274,10 @@ class LightningAdapter(TrainModule):
     @property
     def automatic_optimization(self) -> bool:  # type: ignore[override]
         return bool(self.lightning.automatic_optimization)
+
+    @property
+    def forward_only(self) -> bool:  # type: ignore[override]
+        return self.view.fit_loop._skip_backward
 
     def overrides(self, hook: str) -> bool:
         """Whether the LightningModule defines `hook` itself."""

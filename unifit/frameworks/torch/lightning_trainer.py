@@ -99,28 +99,55 @@ class PredictLoopView:
 
 
 class FitLoopView:
-    """`trainer.fit_loop` for what Lightning's own callbacks set there in a run unifit offers:
-    StochasticWeightAveraging turns `_skip_backward` off after each epoch. Turning it on (a forward-only epoch) is
-    refused where it happens."""
+    """`trainer.fit_loop` for what Lightning's own callbacks set there, as StochasticWeightAveraging does for a model
+    with BatchNorm: one more epoch (`max_epochs += 1`) of forward passes only (`_skip_backward`), in which the
+    averaged weights' BatchNorm statistics are recomputed. Its `max_batches += 1` (Lightning's way to keep that
+    epoch's accumulation from completing) changes nothing here: a forward-only epoch steps nothing anyway."""
 
     def __init__(self, view: Any) -> None:
         self._view = view
+        self._skip = False
+        self._extra_batches = 0
 
     @property
     def max_epochs(self) -> int | None:
         return self._view.max_epochs
 
+    @max_epochs.setter
+    def max_epochs(self, value: int) -> None:
+        ctx = self._view.ctx
+        if ctx is None:
+            raise ConfigError(f"trainer.fit_loop.max_epochs = {value}: set it while fit runs (from a callback)")
+        self._view.max_epochs = value
+        ctx.config = ctx.config.model_copy(update={"max_epochs": value})  # the loop reads it each epoch
+
+    @property
+    def max_batches(self) -> int:
+        return self._view.num_training_batches + self._extra_batches
+
+    @max_batches.setter
+    def max_batches(self, value: int) -> None:
+        extra = value - self._view.num_training_batches
+        if extra not in (0, 1):
+            raise ConfigError(
+                f"trainer.fit_loop.max_batches = {value}: an epoch here takes its {self._view.num_training_batches} "
+                "batches; set trainer.limit_train_batches for fewer"
+            )
+        self._extra_batches = extra
+
     @property
     def _skip_backward(self) -> bool:
-        return False
+        return self._skip
 
     @_skip_backward.setter
     def _skip_backward(self, value: bool) -> None:
-        if value:
+        module = self._view.lightning_module
+        if value and module is not None and not module.automatic_optimization:
             raise ConfigError(
-                "trainer.fit_loop._skip_backward = True: a training epoch of forward passes alone is not offered by "
-                "unifit; train without that callback"
+                "trainer.fit_loop._skip_backward = True: a forward-only epoch of a module with manual optimization "
+                "would still step its optimizers in training_step; train it without that callback"
             )
+        self._skip = bool(value)
 
 
 def _on_cpu(value: Any) -> Any:
@@ -247,6 +274,16 @@ class TrainerView:
     @property
     def accumulate_grad_batches(self) -> int:
         return self._config("accumulate_grad_batches") or 1
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        """Set by StochasticWeightAveraging around its forward-only epoch (where nothing steps) and restored after;
+        any other change is refused: unifit sizes steps, warmup and checkpoints by one accumulation per fit."""
+        if not self.fit_loop._skip_backward and value != self.accumulate_grad_batches:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches = {value}: the accumulation is set once per fit "
+                f"(trainer.accumulate_grad_batches: {self.accumulate_grad_batches})"
+            )
 
     @property
     def check_val_every_n_epoch(self) -> int:

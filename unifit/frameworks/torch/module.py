@@ -34,6 +34,9 @@ class TrainModule(ModuleBase, torch.nn.Module):
     engine = "unifit.frameworks.torch.engine:TorchEngine"
     automatic_optimization = True
     _unifit_steps: Any = None  # the running engine's StepSeams (frameworks/torch/step_seams.py)
+    # a training epoch of forward passes only (no backward, no optimizer step): Lightning's fit_loop._skip_backward,
+    # which StochasticWeightAveraging sets for its BatchNorm epoch
+    forward_only = False
 
     def __init__(self) -> None:
         torch.nn.Module.__init__(self)
