@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, ManualOptimBoringModel
 
 import unifit
-from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, lightning_trainer, run_unifit
+from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, lightning_trainer, metrics_lines, run_unifit
 from tests.probe.lightning_probe import Regressor
 from unifit import Trainer
 from unifit.errors import ConfigError
@@ -165,23 +165,26 @@ def test_what_unifit_cannot_honour_is_refused_in_one_line():
     _bad(torch.nn.Linear(2, 2), "pass a unifit.TrainModule (PyTorch) or unifit.KerasModule (Keras) subclass")
 
 
-def _launch_yaml(tmp_path, strategy: str, sections: str, batch_size: int) -> list[dict]:
+def _launch_yaml(
+    tmp_path, strategy: str, sections: str, batch_size: int, callbacks: list | None = None, epochs: int = 2
+) -> list[dict]:
     """`unifit launch -c exp.yaml` with the strategy's process count; each rank's LightningReport."""
     report = {
         "class_path": "tests.probe.lightning_probe.LightningReport",
         "init_args": {"out_dir": str(tmp_path / "r")},
     }
+    every = ", ".join(json.dumps(cb) for cb in [report, *(callbacks or [])])
     experiment = tmp_path / "exp.yaml"
     experiment.write_text(
         sections
         + f"""
 trainer:
   strategy: {strategy}
-  max_epochs: 2
+  max_epochs: {epochs}
   batch_size: {batch_size}
   root_dir: {tmp_path / "run"}
   progress_bar: false
-  callbacks: [{json.dumps(report)}]
+  callbacks: [{every}]
 """
     )
     procs = STRATEGY_PROCS[strategy]
@@ -240,6 +243,22 @@ module:
         epoch = ["on_train_epoch_start", "on_validation_epoch_end", "on_train_epoch_end"]
         assert r["calls"] == ["setup:fit", "on_fit_start", *epoch, *epoch]  # reported before the module's on_fit_end
     assert {"train_mse", "val_mse"} <= set(reports[0]["metrics"])
+
+
+@pytest.mark.timeout(300)
+def test_stochastic_weight_averagings_batch_norm_epoch_under_ddp(tmp_path):
+    """Lightning's SWA from YAML on 2 ddp ranks, on a model with BatchNorm: its forward-only epoch runs in step on
+    both ranks (no gradient sync, no step), which end with the same weights and statistics."""
+    swa = {
+        "class_path": "lightning.pytorch.callbacks.StochasticWeightAveraging",
+        "init_args": {"swa_lrs": 0.02, "swa_epoch_start": 1},
+    }
+    module = "module:\n  class_path: tests.probe.lightning_probe.BatchNormRegressor\n"
+    reports = _launch_yaml(tmp_path, "ddp", module, batch_size=8, callbacks=[swa], epochs=2)  # same weights: checked
+    assert any(key.endswith("running_mean") for key in reports[0]["keys"])
+    assert [m["epoch"] for m in metrics_lines(tmp_path / "run")] == [1, 2, 3]  # the third: forward passes only
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("epoch=*"))
+    assert steps[-2:] == ["epoch=0002-step=0000008", "epoch=0003-step=0000008"], steps  # 4 steps an epoch
 
 
 @pytest.mark.timeout(120)

@@ -28,7 +28,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 import unifit
 from tests.helpers import lightning_trainer
-from tests.probe.lightning_probe import Regressor
+from tests.probe.lightning_probe import BatchNormRegressor, Regressor
 from tests.zoo.hook_recording import HookedCallback, HookedData, HookedModel, TrainerHookedCallback
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
@@ -320,24 +320,16 @@ def test_stochastic_weight_averaging_runs_unchanged_as_under_lightning_and_resum
         torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-6, atol=1e-7)
 
 
-class _BatchNormRegressor(Regressor):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-        )
-
-
 @pytest.mark.timeout(120)
 def test_stochastic_weight_averaging_on_batch_norm_adds_lightnings_forward_only_epoch(tmp_path):
     """With BatchNorm, Lightning's SWA adds an epoch of forward passes (no backward, no step) that recomputes the
     statistics for the averaged weights: unifit runs it as Lightning does, and ends with Lightning's weights and
     statistics; the epoch trains nothing (the optimizer step count stays) and is logged and checkpointed."""
     torch.manual_seed(0)
-    theirs = _BatchNormRegressor()
+    theirs = BatchNormRegressor()
     _lightning(max_epochs=5, callbacks=[_swa()]).fit(theirs)
     torch.manual_seed(0)
-    ours = _BatchNormRegressor()
+    ours = BatchNormRegressor()
     trainer = unifit.Trainer(max_epochs=5, root_dir=str(tmp_path), callbacks=[_swa()], batch_size=8, **QUIET)
     state = trainer.fit(ours)
     for key, value in theirs.state_dict().items():

@@ -89,6 +89,16 @@ class Regressor(L.LightningModule):
         self.saved_counter = checkpoint["saved_counter"]
 
 
+class BatchNormRegressor(Regressor):
+    """Regressor with a BatchNorm layer (running statistics: StochasticWeightAveraging's extra epoch)."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
+
+
 class LightningReport(unifit.Callback):
     """report_<rank>.json at the end of fit: the weights' digest and the LightningModule's records."""
 
