@@ -214,7 +214,7 @@ class Checkpointer:
                 snapshot.world_size,
                 strategy.world_size,
             )
-            engine.seed(self.seed + strategy.rank + 1000 * state.epoch)
+            engine.seed(self.seed + strategy.data_parallel_rank + 1000 * state.epoch)
         within = f", batch {progress.batch_in_epoch} of epoch {progress.epoch + 1}" if progress.batch_in_epoch else ""
         log.info("resumed from %s (epoch %d, step %d%s)", path, state.epoch, state.global_step, within)
         return Resumed(path, state)

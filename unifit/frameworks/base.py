@@ -27,9 +27,8 @@ class Engine(ABC):
         self.config = config
         self.collector = MetricCollector(self.to_numpy)
         module.collect_into(self.collector)  # the module's self.log records here until close()
-        self.replicas = (
-            strategy.world_size
-        )  # model replicas over all processes; engines with several per process set it
+        # model replicas over all processes (ranks that split one model count once); engines with several per process set it
+        self.replicas = strategy.data_parallel_size
 
     def close(self) -> None:
         """Release what this engine attached to the module (its metric collector), at the end of a run."""
@@ -93,7 +92,7 @@ class Engine(ABC):
     def _rank_data(self, data: Any) -> tuple[Any, bool]:
         """(data, already sharded): data split by file (unifit.data.FileShards) is loaded for this rank only."""
         if hasattr(data, "for_rank"):
-            return data.for_rank(self.strategy.rank, self.strategy.world_size), True
+            return data.for_rank(self.strategy.data_parallel_rank, self.strategy.data_parallel_size), True
         return data, False
 
     def _stage_data(self, stage: str, source: str) -> tuple[Any, bool]:

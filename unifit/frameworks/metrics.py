@@ -103,6 +103,7 @@ class MetricCollector:
         local = {key: self._local(key, kind) for key, kind in mine.items() if kind not in ("mean", "sum", _OBJECT)}
         gathered = strategy.all_gather_object((mine, local))
         kinds = _agreed_kinds([ranks_kinds for ranks_kinds, _ in gathered])
+        gathered = [each for rank, each in enumerate(gathered) if strategy.reports_metrics(rank)]
         out: dict[str, float] = {}
         for key, kind in kinds.items():
             if kind.endswith(RANK_ZERO):
@@ -120,7 +121,7 @@ class MetricCollector:
                 means, counts = self._means(key), np.asarray(self._entries[key][1], dtype=np.float64)
                 sums[i] = float(np.dot(means, counts)) if kinds[key] == "mean" else float(means.sum())
                 sums[len(summed) + i] = float(counts.sum())
-        totals = strategy.all_reduce_sum(sums)
+        totals = strategy.all_reduce_sum(sums if strategy.reports_metrics(strategy.rank) else np.zeros_like(sums))
         self.reset()
         self._last_totals = {key: float(totals[len(summed) + i]) for i, key in enumerate(summed)}
         for i, key in enumerate(summed):

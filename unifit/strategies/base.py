@@ -84,6 +84,26 @@ class Strategy(ABC):
     def is_global_zero(self) -> bool:
         return self.env.rank == 0
 
+    # ---- data parallelism: what the data is split over ---------------------------------
+    # Every rank trains a replica of its own, unless several ranks hold parts of one (tensor parallelism):
+    # the data, the learning-rate scaling and the logged values then go by replicas, not ranks.
+    device_mesh: Any = None  # the ranks' layout (torch DeviceMesh) where a strategy splits the model over ranks
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The model replicas the data is split over."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's replica: which part of the data it takes (ranks of one replica take the same)."""
+        return self.rank
+
+    def reports_metrics(self, rank: int) -> bool:
+        """Whether `rank`'s logged values count when they are reduced over ranks: every rank's, unless the ranks of
+        one replica compute the same values (tensor parallelism), which then count once."""
+        return True
+
     # ---- life cycle --------------------------------------------------------------------
     def attach(self, training: Any) -> None:
         """The training part made for this strategy's framework (from the registry's table); a strategy

@@ -88,16 +88,19 @@ class FSDPStrategy(DDPStrategy):
             import torch.distributed as dist
 
             if self.is_global_zero:
-                layout = (
-                    f"hybrid sharding, {self.env.num_nodes} node(s) x {self.env.local_world_size} rank(s)"
-                    if self.options.sharding == "hybrid"
-                    else f"full sharding, {self.world_size} rank(s)"
-                )
-                log.info("fsdp: %s", layout)
+                self._log_layout()
             # checkpoint writes run their collectives on DCP's background thread: a group of their own, on the host
             self._checkpoint_group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=2 * self.collective_timeout_s)
             )
+
+    def _log_layout(self) -> None:
+        layout = (
+            f"hybrid sharding, {self.env.num_nodes} node(s) x {self.env.local_world_size} rank(s)"
+            if self.options.sharding == "hybrid"
+            else f"full sharding, {self.world_size} rank(s)"
+        )
+        log.info("fsdp: %s", layout)
 
     def teardown(self) -> None:
         import torch.distributed as dist
@@ -241,15 +244,24 @@ class FSDPStrategy(DDPStrategy):
         return _without_gradient_sync(wrapped)
 
     def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
-        """Clip by the norm of the whole gradient: each rank's shard norms combined over every rank."""
+        """Clip by the norm of the whole gradient: each rank's shard norms combined over every rank, per mesh
+        (torch's clip_grad_norm_ refuses gradients on several meshes: tensor-parallel layers beside others)."""
         import torch
-        from torch.distributed.tensor import DTensor
 
-        parameters = list(parameters)
-        total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        groups: list[tuple[Any, list[Any]]] = []  # (mesh or None for plain tensors, its parameters)
+        for parameter in (p for p in parameters if p.grad is not None):
+            mesh = getattr(parameter.grad, "device_mesh", None)
+            group = next((g for m, g in groups if m == mesh), None)
+            if group is None:
+                groups.append((mesh, group := []))
+            group.append(parameter)
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for _, group in groups]
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        if not norms:
+            return
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        for _, group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
     # ---- state IO -------------------------------------------------------------------------
     def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
@@ -522,12 +534,18 @@ def _children_with_parameters(module: Any, in_container: bool = False) -> Iterat
 
 @contextlib.contextmanager
 def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
-    """An accumulation micro-batch: gradients stay unsharded locally, reduced with the last one."""
-    wrapped.set_requires_gradient_sync(False)
+    """An accumulation micro-batch: gradients stay unsharded locally, reduced with the last one. Every FSDP module
+    inside is told (the root where unifit sharded, or those a module's configure_model sharded itself)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in wrapped.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
-        wrapped.set_requires_gradient_sync(True)
+        for module in sharded:
+            module.set_requires_gradient_sync(True, recurse=False)
 
 
 def _gathered_rnn_weights(rnn: Any, args: Any) -> Any:

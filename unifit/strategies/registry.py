@@ -91,6 +91,15 @@ register(
 )
 register(
     StrategyEntry(
+        "model-parallel",
+        "unifit.strategies.model_parallel:ModelParallelStrategy",
+        _TORCHRUN,
+        {TORCH: ITSELF},
+        "tensor parallelism inside groups of ranks, FSDP2 over the groups (one DeviceMesh)",
+    )
+)
+register(
+    StrategyEntry(
         "horovod",
         "unifit.strategies.horovod.strategy:HorovodStrategy",
         "unifit.strategies.launchers.horovodrun:HorovodrunLauncher",

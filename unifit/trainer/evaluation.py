@@ -138,5 +138,6 @@ def _in_dataset_order(strategy: Any, engine: Any, samples: list[Any], loader: in
     gathered = strategy.all_gather_object(list(zip(indices, samples)))
     if not strategy.is_global_zero:
         return None
-    ordered = sorted((pair for rank_pairs in gathered for pair in rank_pairs), key=lambda pair: pair[0])
+    reported = (pairs for rank, pairs in enumerate(gathered) if strategy.reports_metrics(rank))  # each replica's once
+    ordered = sorted((pair for rank_pairs in reported for pair in rank_pairs), key=lambda pair: pair[0])
     return engine.collate([sample for _, sample in ordered])

@@ -155,7 +155,7 @@ class Trainer:
             if ckpt_path or cfg.resume:
                 self._resume(run, ckpt_path or cfg.resume)
             if ctx.resumed_from is None:
-                engine.seed(cfg.seed + strategy.rank)  # per-rank randomness (dropout, augmentation)
+                engine.seed(cfg.seed + strategy.data_parallel_rank)  # per-replica randomness (dropout, augmentation)
                 self.state.progress.epoch = initial_epoch
             if cfg.lr_find is not None:
                 self._find_lr(engine, cfg, prepared.plan.reports.get("lr_find"), resumed=ctx.resumed_from is not None)

@@ -100,7 +100,7 @@ class TorchEngine(TorchEvaluation, Engine):
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
         cfg = self.config = self._adopt_batch_size(train)
-        shards = (1, 0) if presharded else (strategy.world_size, strategy.rank)
+        shards = (1, 0) if presharded else (strategy.data_parallel_size, strategy.data_parallel_rank)
         self._stream = iterable.is_stream(train)
         # an endless stream trained by steps: one epoch of max_steps (Lightning's)
         limit = cfg.limit_train_batches or (cfg.max_steps and cfg.max_steps * cfg.accumulate_grad_batches)
@@ -141,13 +141,13 @@ class TorchEngine(TorchEvaluation, Engine):
         if self._batches == 0:
             raise ConfigError(
                 f"trainer.batch_size: {cfg.batch_size} with drop_last leaves no training batch on rank "
-                f"{strategy.rank} ({len(train_ds)} samples over {strategy.world_size} ranks); lower batch_size"
+                f"{strategy.rank} ({len(train_ds)} samples over {strategy.data_parallel_size} replicas); lower batch_size"
             )
         has_val_step = type(self.module).validation_step is not _base_validation_step()
         val, val_presharded = self._rank_data(self.data.val_dataset() if has_val_step else None)
         self.val_loaders = []
         if val is not None and cfg.limit_val_batches != 0:
-            shards = (1, 0) if val_presharded else (strategy.world_size, strategy.rank)
+            shards = (1, 0) if val_presharded else (strategy.data_parallel_size, strategy.data_parallel_rank)
             self.val_loaders = [
                 combined.evaluation_loader(
                     each,
@@ -296,7 +296,9 @@ class TorchEngine(TorchEvaluation, Engine):
         else:
             user_loaders.set_epoch(self.train_loader, epoch, skip)
         # worker seeds per rank and epoch, from the loader's own generator (the global RNG stays untouched)
-        self.train_loader.generator.manual_seed(self.config.seed * 1_000_003 + self.strategy.rank * 10_007 + epoch)
+        self.train_loader.generator.manual_seed(
+            self.config.seed * 1_000_003 + self.strategy.data_parallel_rank * 10_007 + epoch
+        )
         batches = itertools.islice(self.train_loader, self._batches - skip)  # the loader's own iterator, no layer
         return input_path.on_device(batches, self.train_loader, self._transfer, self.device)
 

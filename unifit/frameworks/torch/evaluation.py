@@ -48,7 +48,7 @@ class TorchEvaluation:
         source, step = _STAGES[stage]
         self._eval_step = getattr(self.module, step)
         dataset, presharded = self._stage_data(stage, source)
-        world, rank = (1, 0) if presharded else (strategy.world_size, strategy.rank)
+        world, rank = (1, 0) if presharded else (strategy.data_parallel_size, strategy.data_parallel_rank)
         if stage == "predict" and iterable.is_stream(dataset):
             raise ConfigError(
                 f"{source}(): an IterableDataset has no indices to put predictions in order by; "

@@ -231,6 +231,9 @@ class LightningAdapter(TrainModule):
         if self.datamodule is not None:
             self.datamodule.setup(self.stage)
         self.fan_out("setup", self.stage)
+        mesh = getattr(self.view.dist, "device_mesh", None)
+        if mesh is not None:  # Lightning's ModelParallelStrategy sets it for configure_model (self.device_mesh)
+            self.lightning._device_mesh = mesh
         if _overrides(self.lightning, "configure_sharded_model"):  # Lightning 1.x's name, still called by 2.x
             self.lightning.configure_sharded_model()
         self.lightning.configure_model()

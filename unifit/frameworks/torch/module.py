@@ -66,6 +66,28 @@ class TrainModule(ModuleBase, torch.nn.Module):
     def configure_optimizers(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
 
+    def configure_model(self) -> None:
+        """Optional (Lightning's hook, called once as a fit or evaluation sets up, before the model is placed and
+        configure_optimizers): split the model over the ranks here with `self.device_mesh`
+        (torch.distributed.tensor.parallel's parallelize_module, fully_shard) under the model-parallel strategy."""
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ranks' DeviceMesh under the model-parallel strategy (dimensions "data_parallel" and
+        "tensor_parallel"), as Lightning's ModelParallelStrategy offers it; None under the others."""
+        return getattr(self.__dict__.get("_unifit_strategy"), "device_mesh", None)
+
+    def attach_strategy(self, strategy: Any) -> None:
+        self.__dict__["_unifit_strategy"] = strategy
+        self.__dict__["_unifit_configured"] = False
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """Placing the module for a run calls configure_model() first, once (Lightning's order)."""
+        if self.__dict__.get("_unifit_configured") is False:
+            self.__dict__["_unifit_configured"] = True
+            self.configure_model()
+        return torch.nn.Module.to(self, *args, **kwargs)
+
     # ---- inside the optimizer step: Lightning's hooks, called in Lightning's order ------------------
     def on_before_zero_grad(self, optimizer: Any) -> None:
         """Before gradients are zeroed (on the first micro-batch of each accumulation window)."""

@@ -21,7 +21,8 @@ class TorchmetricValue:
 
     def compute_over(self, strategy: Any) -> Any:
         def gather(tensor: Any, group: Any = None) -> list[Any]:
-            return [t.to(tensor.device) for t in strategy.all_gather_object(tensor.detach().cpu())]
+            states = strategy.all_gather_object(tensor.detach().cpu())
+            return [t.to(tensor.device) for rank, t in enumerate(states) if strategy.reports_metrics(rank)]
 
         metric = self.metric
         saved = metric.dist_sync_fn, metric.distributed_available_fn

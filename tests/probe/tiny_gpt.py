@@ -1,0 +1,182 @@
+"""A small GPT-style language model for the model-parallel tests, written twice: as a unifit TrainModule (split by
+a plan in the YAML) and as a LightningModule written for Lightning's ModelParallelStrategy (its configure_model
+splits the layers over self.device_mesh["tensor_parallel"] and shards with fully_shard over "data_parallel", as
+Lightning's tensor-parallel example does). Same weights from the same seed; attention reshapes heads with -1, so
+a rank's part of the heads works as well as all of them."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import unifit
+
+PLAN = {
+    "net.embed": "rowwise",
+    "net.blocks.*.attn.q": "colwise",
+    "net.blocks.*.attn.k": "colwise",
+    "net.blocks.*.attn.v": "colwise",
+    "net.blocks.*.attn.o": "rowwise",
+    "net.blocks.*.mlp.up": "colwise",
+    "net.blocks.*.mlp.down": "rowwise",
+    "net.head": "colwise_gather",
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = (
+            nn.LayerNorm(dim),
+            Attention(dim, heads),
+            nn.LayerNorm(dim),
+            MLP(dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tokens(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
+    """Sequences with structure to learn: each token is the previous plus a per-sequence stride."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    return TensorDataset((start + stride * torch.arange(seq + 1)) % vocab)
+
+
+def lm_loss(net: nn.Module, batch) -> torch.Tensor:
+    (seqs,) = batch
+    logits = net(seqs[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
+
+
+class TinyGPT(unifit.TrainModule):
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = GPT(vocab, dim, heads, layers, seq)
+        self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
+
+    def training_step(self, batch, batch_idx):
+        self.log("samples_seen", float(len(batch[0])), reduce_fx="sum")  # each sample once, whatever the layout
+        return lm_loss(self.net, batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", lm_loss(self.net, batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataset(self):
+        return tokens(self.n_train, self.seq, self.vocab, seed=1)
+
+    def val_dataset(self):
+        return tokens(self.n_val, self.seq, self.vocab, seed=2)
+
+
+class LightningTP(L.LightningModule):
+    """Written for Lightning's ModelParallelStrategy: nothing unifit-specific."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = GPT(vocab, dim, heads, layers, seq)
+        self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        parallelize_module(
+            self.net,
+            tp_mesh,
+            {
+                "embed": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(output_layouts=Replicate()),
+            },
+        )
+        for block in self.net.blocks:
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "attn.q": ColwiseParallel(),
+                    "attn.k": ColwiseParallel(),
+                    "attn.v": ColwiseParallel(),
+                    "attn.o": RowwiseParallel(),
+                    "mlp.up": ColwiseParallel(),
+                    "mlp.down": RowwiseParallel(),
+                },
+            )
+        if dp_mesh.size() > 1:
+            for block in self.net.blocks:
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(self.net, mesh=dp_mesh)
+
+    def training_step(self, batch, batch_idx):
+        loss = lm_loss(self.net, batch)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", lm_loss(self.net, batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tokens(self.n_train, self.seq, self.vocab, seed=1), batch_size=8)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(tokens(self.n_val, self.seq, self.vocab, seed=2), batch_size=8)
+
+
+class LightningWhole(LightningTP):
+    """The same module unsplit (its configure_model does nothing): the reference ddp and one process train."""
+
+    def configure_model(self):
+        pass

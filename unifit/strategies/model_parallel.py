@@ -1,0 +1,243 @@
+"""Tensor parallelism combined with FSDP2 on one DeviceMesh (torchtitan's and Lightning's ModelParallelStrategy's layout).
+
+The world is a 2-D mesh, `data_parallel` x `tensor_parallel` (tensor-parallel groups are consecutive ranks, so
+they sit inside a host). Each tensor-parallel group holds one model replica split inside its layers
+(torch.distributed.tensor.parallel: Linear and Embedding weights split by columns or rows); the replicas are
+sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole world. What follows:
+- the data, the learning-rate scaling and the logged values go by replicas (`data_parallel_size`), not ranks:
+  the ranks of one tensor-parallel group take the same batches and their logged values count once;
+- the split is the module's own (`configure_model()` with `self.device_mesh`, as written for Lightning's
+  ModelParallelStrategy) or unifit's from a plan in the YAML (module names -> colwise / rowwise / colwise_gather);
+  unifit shards with FSDP2 what the module's configure_model did not;
+- clipping takes the norm over every shard of every mesh; checkpoints are DCP's (fsdp's), so they resume on
+  another layout (this one at another size, fsdp, or one process).
+Pipeline parallelism is not built yet.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Any, Literal
+
+from pydantic import Field, PositiveInt, field_validator
+
+from unifit.errors import ConfigError
+from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
+from unifit.strategies.torch_device import torch_device
+
+log = logging.getLogger("unifit")
+
+Style = Literal["colwise", "rowwise", "colwise_gather"]
+DIMS = ("data_parallel", "tensor_parallel")
+
+
+class ModelParallelOptions(FSDPOptions):
+    """trainer.strategy_options for model-parallel (and fsdp's, which shard over the data-parallel ranks)."""
+
+    sharding: Literal["full"] = Field("full", description="the data-parallel ranks shard each replica fully (FSDP2)")
+    tensor_parallel: PositiveInt = Field(
+        1,
+        description="ranks that split each layer of one model replica (consecutive ranks: keep them inside a host); "
+        "must divide the world size; the other dimension is data parallel",
+    )
+    pipeline_parallel: PositiveInt = Field(1, description="1: pipeline stages are not built yet")
+    plan: dict[str, Style] | None = Field(
+        None,
+        description="the split, where the module's configure_model() does not make it: module name (as in "
+        "named_modules(); * matches one name part, e.g. model.blocks.*.attn.q) -> colwise (output features "
+        "split: feed a rowwise), rowwise (input features split, output summed: after a colwise; an Embedding "
+        "splits its vocabulary) or colwise_gather (output features split, then gathered: an output head). "
+        "Only Linear and Embedding layers split; reshape attention heads with -1, not a fixed head count",
+    )
+
+    @field_validator("pipeline_parallel")
+    @classmethod
+    def _no_stages_yet(cls, stages: int) -> int:
+        if stages != 1:
+            raise ValueError(
+                "pipeline parallelism is not built yet; split the model with tensor_parallel (and shard it over the "
+                "other ranks), or use fsdp"
+            )
+        return stages
+
+
+class ModelParallelStrategy(FSDPStrategy):
+    """Tensor parallelism inside groups of ranks, FSDP2 over the groups: one DeviceMesh (data_parallel, tensor_parallel)."""
+
+    name = "model-parallel"
+    Options = ModelParallelOptions
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.options.tensor_parallel
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.tensor_parallel
+
+    def reports_metrics(self, rank: int) -> bool:
+        return rank % self.tensor_parallel == 0
+
+    def setup(self) -> None:
+        if self.world_size % self.tensor_parallel:
+            raise ConfigError(
+                f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel} does not divide the world size "
+                f"{self.world_size}; use a divisor of {self.world_size} or launch a multiple of {self.tensor_parallel} "
+                "ranks"
+            )
+        super().setup()
+        if not self._group_ready():
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = torch_device(self.accelerator, self.device_index)
+        self.device_mesh = init_device_mesh(
+            device.type, (self.data_parallel_size, self.tensor_parallel), mesh_dim_names=DIMS
+        )
+        # gathering a parameter split over both dimensions (the export) takes two all-gathers, which torch warns
+        # about on every rank: copies, no reduction, so nothing can differ between ranks
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+    def _log_layout(self) -> None:
+        log.info(
+            "model-parallel: %d rank(s) = %d data-parallel x %d tensor-parallel (mesh dims %s; the ranks of a "
+            "tensor-parallel group are consecutive)",
+            self.world_size,
+            self.world_size // self.tensor_parallel,
+            self.tensor_parallel,
+            ", ".join(DIMS),
+        )
+
+    def teardown(self) -> None:
+        self.device_mesh = None
+        super().teardown()
+
+    def _mesh(self, device: Any) -> Any:
+        """FSDP2 shards over the data-parallel dimension."""
+        return self.device_mesh["data_parallel"]
+
+    def wrap_module(self, step_module: Any, device: Any) -> Any:
+        model = step_module.module.state_module
+        plan = _resolved_plan(model, self.options.plan)  # checked at any world size: a wrong name is refused
+        if not self._group_ready():
+            return step_module
+        from torch.distributed.fsdp import FSDPModule
+
+        split = _tensor_parallel_meshes(model)
+        if plan and split:
+            raise ConfigError(
+                "trainer.strategy_options.plan: the module's configure_model() split it already; drop the plan "
+                "or the split in configure_model()"
+            )
+        if plan:
+            self._split(model, plan)
+        elif self.tensor_parallel > 1 and not split:
+            raise ConfigError(
+                f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel}, but nothing in "
+                f"{type(model).__name__} is split (its configure_model() made no DTensor parameters); give "
+                "trainer.strategy_options.plan, or split the model in configure_model() with self.device_mesh"
+            )
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        if any(mesh != tp_mesh for mesh in split):
+            raise ConfigError(
+                "configure_model(): parameters are split over a mesh that is not self.device_mesh['tensor_parallel']; "
+                "split over self.device_mesh['tensor_parallel'] (and shard over self.device_mesh['data_parallel'])"
+            )
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            if self.is_global_zero:
+                log.info(
+                    "model-parallel: configure_model() sharded the model with fully_shard itself; unifit adds none"
+                )
+            return step_module
+        if self.data_parallel_size == 1:
+            return step_module
+        return super().wrap_module(step_module, device)
+
+    def _split(self, model: Any, plan: dict[str, Style]) -> None:
+        """Rank 0's weights on every rank (a single process's start), then each planned layer split over its group."""
+        import torch.distributed as dist
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor.data, src=0)
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        for name, style in plan.items():
+            layer = model.get_submodule(name)
+            parallelize_module(layer, tp_mesh, _style(style, layer))
+        if self.is_global_zero:
+            counts = {s: sum(1 for v in plan.values() if v == s) for s in sorted(set(plan.values()))}
+            log.info(
+                "model-parallel: %d layer(s) split over %d ranks (%s)",
+                len(plan),
+                self.tensor_parallel,
+                ", ".join(f"{n} {s}" for s, n in counts.items()),
+            )
+
+
+def _resolved_plan(model: Any, plan: dict[str, Style] | None) -> dict[str, Style]:
+    """The plan with its patterns resolved to module names, each a Linear or an Embedding; a pattern that names
+    nothing, or something else, is refused in one line."""
+    import torch
+
+    if not plan:
+        return {}
+    modules = dict(model.named_modules())
+    resolved: dict[str, Style] = {}
+    for pattern, style in plan.items():
+        names = [n for n in modules if n and _matches(n, pattern)]
+        if not names:
+            near = [n for n in modules if n and isinstance(modules[n], (torch.nn.Linear, torch.nn.Embedding))][:6]
+            raise ConfigError(
+                f"trainer.strategy_options.plan: {pattern!r} names no submodule of {type(model).__name__}; "
+                f"its Linear/Embedding layers are named like: {', '.join(near) or 'none'}"
+            )
+        for name in names:
+            if not isinstance(modules[name], (torch.nn.Linear, torch.nn.Embedding)):
+                raise ConfigError(
+                    f"trainer.strategy_options.plan: {pattern!r} matches {name}, a {type(modules[name]).__name__}; "
+                    "only Linear and Embedding layers split: name those inside it"
+                )
+            resolved[name] = style
+    return resolved
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """`*` matches one dotted name part (model.blocks.*.attn.q), as in torch's parallelize_module."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, wanted))
+
+
+def _style(style: Style, layer: Any) -> Any:
+    import torch
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if isinstance(layer, torch.nn.Embedding):  # token ids come whole: each rank looks up its part of the vocabulary
+        return RowwiseParallel(input_layouts=Replicate())
+    return RowwiseParallel()
+
+
+def _tensor_parallel_meshes(model: Any) -> list[Any]:
+    """The meshes the module's own split (configure_model) put its DTensor parameters on, one per distinct mesh."""
+    from torch.distributed.tensor import DTensor
+
+    meshes: list[Any] = []
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            mesh, names = parameter.device_mesh, parameter.device_mesh.mesh_dim_names or ()
+            if "tensor_parallel" in names and mesh.ndim > 1:
+                mesh = mesh["tensor_parallel"]
+            elif names == ("data_parallel",):
+                continue  # sharded by fully_shard only
+            if all(mesh != m for m in meshes):
+                meshes.append(mesh)
+    return meshes
