@@ -93,6 +93,16 @@ def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(
     for mine, theirs in zip(metrics_lines(split), metrics_lines(whole)):
         assert mine["train_loss"] == pytest.approx(theirs["train_loss"], abs=1e-5)
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
+    # validate from its last checkpoint: configure_model splits again, the shards load into the split model
+    checked = tmp_path / "validated"
+    result = run_unifit(
+        "launch", "--run", "validate", "--nproc-per-node", "4", "-c", str(YAML), "--trainer.root_dir", str(checked),
+        "--module.class_path", "tests.probe.tiny_gpt.LightningTP", "--trainer.strategy", "model-parallel",
+        "--trainer.strategy_options", '{"tensor_parallel": 2}', "--ckpt-path", _checkpoint(split, 3), timeout=200,
+    )  # fmt: skip
+    assert_ok(result)
+    validated = json.loads((checked / "validate.json").read_text())
+    assert validated["metrics"]["val_loss"] == pytest.approx(metrics_lines(split)[-1]["val_loss"], abs=1e-6)
 
 
 @pytest.mark.timeout(400)

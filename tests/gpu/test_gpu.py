@@ -262,3 +262,28 @@ def test_two_ranks_sharing_one_gpu_agree_and_resume(tmp_path, strategy):
     assert_ok(_run(part, *args, procs=2, strategy=strategy, ckpt="last"))
     losses = [[m["train/loss"] for m in metrics_lines(root) if "train/loss" in m] for root in (whole, part)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_tensor_parallel_on_two_ranks_sharing_one_gpu_matches_one_gpu(tmp_path, precision):
+    """model-parallel's CUDA path on a one-GPU machine: TP2 (the plan of tests/probe/tiny_gpt.py) on 2 ranks on
+    cuda:0 over gloo against one process on the GPU, same global batch; the export gathers through host memory."""
+    from tests.probe.tiny_gpt import PLAN
+    from tests.test_model_parallel import YAML
+
+    def run(root: Path, *args: str) -> None:
+        common = ["-c", str(YAML), "--trainer.root_dir", str(root), "--trainer.export_dir", str(root / "export")]
+        assert_ok(
+            run_unifit(*args, *common, "--trainer.precision", precision, "--trainer.accelerator", "gpu", timeout=240)
+        )
+
+    run(tmp_path / "one", "fit")
+    options = json.dumps({"tensor_parallel": 2, "plan": PLAN, "share_gpus": True})
+    run(tmp_path / "tp2", "launch", "--nproc-per-node", "2", "--trainer.strategy", "model-parallel",
+        "--trainer.strategy_options", options)  # fmt: skip
+    weights = [torch.load(tmp_path / r / "export" / "model.pt", weights_only=True) for r in ("one", "tp2")]
+    worst = max((weights[0][k].float() - weights[1][k].float()).abs().max().item() for k in weights[0])
+    assert worst < (2e-2 if precision == "bf16-mixed" else 1e-4), worst
+    for mine, theirs in zip(metrics_lines(tmp_path / "tp2"), metrics_lines(tmp_path / "one")):
+        assert mine["samples_seen"] == 64.0
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-2 if precision == "bf16-mixed" else 1e-4)

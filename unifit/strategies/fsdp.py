@@ -313,17 +313,17 @@ class FSDPStrategy(DDPStrategy):
         if sharded_state.SHARDS not in state:  # a whole checkpoint (single, ddp, horovod): each rank keeps its part
             whole = StateDictOptions(full_state_dict=True)
             set_model_state_dict(owner, state["model"], options=whole)
-            each_optimizer(
-                optimizer,
-                lambda o, s: set_optimizer_state_dict(owner, o, sharded_state.by_name(s, o, module), options=whole),
-                state["optimizer"],
-            )
+            if optimizer is not None:
+                each_optimizer(
+                    optimizer,
+                    lambda o, s: set_optimizer_state_dict(owner, o, sharded_state.by_name(s, o, module), options=whole),
+                    state["optimizer"],
+                )
             return
         url = state[sharded_state.SHARDS]
-        mine = {
-            "model": get_model_state_dict(owner),
-            "optimizer": each_optimizer(optimizer, lambda o: get_optimizer_state_dict(owner, o)),
-        }
+        mine = {"model": get_model_state_dict(owner)}  # evaluation (optimizer None): the model's shards only
+        if optimizer is not None:
+            mine["optimizer"] = each_optimizer(optimizer, lambda o: get_optimizer_state_dict(owner, o))
         try:  # any world size: DCP reads the parts of every saved shard this rank's shards cover
             sharded_state.load_into(mine, url, storage_options, self._checkpoint_group)
         except Exception as exc:
@@ -333,7 +333,8 @@ class FSDPStrategy(DDPStrategy):
                 "read (a shared disk or s3://)"
             ) from None
         set_model_state_dict(owner, mine["model"])
-        each_optimizer(optimizer, lambda o, s: set_optimizer_state_dict(owner, o, s), mine["optimizer"])
+        if optimizer is not None:
+            each_optimizer(optimizer, lambda o, s: set_optimizer_state_dict(owner, o, s), mine["optimizer"])
 
     def full_model_state(self, module: Any) -> dict[str, Any]:
         if not _is_sharded(module):

@@ -79,8 +79,9 @@ class TorchEvaluation:
         self._same_weights_everywhere()
 
     def _same_weights_everywhere(self) -> None:
-        """Rank 0's weights on every rank, as fit starts (a checkpoint's, loaded after, are the same anyway)."""
-        if self.strategy.world_size > 1:
+        """Rank 0's weights on every rank, as fit starts (a checkpoint's, loaded after, are the same anyway). A model
+        split over the ranks by its configure_model() (DTensors) took its group's first rank's weights as it split."""
+        if self.strategy.world_size > 1 and not any(hasattr(p, "device_mesh") for p in self.module.parameters()):
             state = self.strategy.broadcast_object(
                 {k: v.cpu() for k, v in self.module.state_dict().items()} if self.strategy.is_global_zero else None
             )
