@@ -1,7 +1,12 @@
-"""Per-rank training-state memory and step time: fsdp against ddp at 1, 2 and 4 ranks, for a ~100 M
-parameter MLP (6 x Linear(4096, 4096): 100.7 M parameters, 403 MB float32) trained with AdamW on CPU.
+"""Per-rank training-state memory and step time: fsdp and model-parallel (tensor parallelism, TP2 x FSDP and TP4)
+against ddp at 1, 2 and 4 ranks, for a ~100 M parameter MLP (6 x Linear(4096, 4096): 100.7 M parameters, 403 MB
+float32) trained with AdamW on CPU.
 
-    nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py [--steps 6] [--ranks 1 2 4]
+    nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py [--steps 6] [--ranks 1 2 4] \
+        [--layouts ddp fsdp tp2 tp4]
+
+tp2 / tp4: `model-parallel` with tensor_parallel 2 / 4 and the Megatron pairing of the MLP's Linears (colwise then
+rowwise, PLAN below); the ranks left over are data parallel, sharded by FSDP2 (TP2 at 4 ranks: 2 x 2).
 
 Every run is `unifit launch` of the same module (its own processes). State memory = bytes of this rank's
 parameters + gradients (counted just before each optimizer step, when they are all there) + optimizer
@@ -33,6 +38,15 @@ sys.path.insert(0, str(REPO))
 import unifit  # noqa: E402
 
 WIDTH, LAYERS, BATCH = 4096, 6, 8
+# the Sequential's Linears sit at even indices (ReLUs between): each colwise one feeds the rowwise one after it
+PLAN = {f"net.{2 * i}": "colwise" if i % 2 == 0 else "rowwise" for i in range(LAYERS)}
+DEFAULT_OUT = str(REPO / "benchmarks" / "results" / "fsdp_memory")
+LAYOUTS = {
+    "ddp": ("ddp", None, 1),
+    "fsdp": ("fsdp", None, 1),
+    "tp2": ("model-parallel", {"tensor_parallel": 2, "plan": PLAN}, 2),
+    "tp4": ("model-parallel", {"tensor_parallel": 4, "plan": PLAN}, 4),
+}
 
 
 class WideMLP(unifit.TrainModule):
@@ -95,11 +109,13 @@ class MemoryReport(unifit.Callback):
         Path(self.out_dir, f"rank{ctx.rank}.json").write_text(json.dumps(report))
 
 
-def run(strategy: str, ranks: int, steps: int, work: Path) -> dict:
-    out = work / f"{strategy}-{ranks}"
+def run(layout: str, ranks: int, steps: int, work: Path) -> dict:
+    strategy, options, tensor_parallel = LAYOUTS[layout]
+    out = work / f"{layout}-{ranks}"
     out.mkdir(parents=True)
+    replicas = ranks // tensor_parallel
     cfg = {
-        "module": {"class_path": "benchmarks.fsdp_memory.WideMLP", "init_args": {"samples": steps * BATCH * ranks}},
+        "module": {"class_path": "benchmarks.fsdp_memory.WideMLP", "init_args": {"samples": steps * BATCH * replicas}},
         "trainer": {
             "strategy": strategy,
             "max_epochs": 1,
@@ -111,6 +127,7 @@ def run(strategy: str, ranks: int, steps: int, work: Path) -> dict:
             "lr_scaling": "none",
             "collective_timeout_s": 600,
             "callbacks": [{"class_path": "benchmarks.fsdp_memory.MemoryReport", "init_args": {"out_dir": str(out)}}],
+            **({"strategy_options": options} if options else {}),
         },
     }
     (out / "exp.yaml").write_text(json.dumps(cfg))
@@ -125,10 +142,10 @@ def run(strategy: str, ranks: int, steps: int, work: Path) -> dict:
         timeout=1800,
     )
     if done.returncode != 0:
-        raise SystemExit(f"{strategy} x{ranks} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{layout} x{ranks} failed:\n{done.stderr[-3000:]}")
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return {
-        "strategy": strategy,
+        "strategy": layout,
         "ranks": ranks,
         "wall_s": round(time.perf_counter() - started, 1),
         "state_mb": max(r["state_bytes"] for r in reports) / 2**20,
@@ -141,46 +158,52 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fsdp_memory"))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
-            for strategy in ("ddp", "fsdp"):
-                rows.append(run(strategy, ranks, args.steps, Path(tmp)))
-                print(json.dumps(rows[-1]), flush=True)
+            for layout in args.layouts:
+                if ranks % LAYOUTS[layout][2] == 0 and (layout == "ddp" or ranks >= LAYOUTS[layout][2]):
+                    rows.append(run(layout, ranks, args.steps, Path(tmp)))
+                    print(json.dumps(rows[-1]), flush=True)
     write(rows, args)
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
     by = {(r["strategy"], r["ranks"]): r for r in rows}
     command = "nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py " + " ".join(
-        [f"--steps {args.steps}", "--ranks", *map(str, args.ranks)]
+        [f"--steps {args.steps}", "--ranks", *map(str, args.ranks), "--layouts", *args.layouts]
+        + ([f"--out {Path(args.out).relative_to(REPO)}"] if args.out != DEFAULT_OUT else [])
     )
     lines = [
-        "# fsdp vs ddp: per-rank training-state memory and step time",
+        "# Sharded layouts vs ddp: per-rank training-state memory and step time",
         "",
         f"Command: `{command}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
         f"{platform.python_version()}, gloo on CPU, one torch thread per process; load average at the end "
-        f"{os.getloadavg()[0]:.2f}.",
+        f"{os.getloadavg()[0]:.2f}. CPU step times are not GPU figures.",
         "",
         f"Model: {LAYERS} x Linear({WIDTH}, {WIDTH}) (100.7 M parameters, 403 MB float32), AdamW, batch {BATCH} per "
-        f"rank, {args.steps} steps. State = parameters + gradients + AdamW moments held by a rank (local shards "
-        "for fsdp), counted before each optimizer step; peak RSS = the process's maximum resident set.",
+        f"replica, {args.steps} steps. State = parameters + gradients + AdamW moments held by a rank (local shards "
+        "of sharded tensors), counted before each optimizer step; peak RSS = the process's maximum resident set. "
+        "tp2 at 4 ranks = 2 tensor-parallel x 2 data-parallel (FSDP2); tp4 = tensor parallel only.",
         "",
-        "| ranks | ddp state (MB) | fsdp state (MB) | fsdp / ddp | target 1/N + 10 % | met | ddp peak RSS (MB) "
-        "| fsdp peak RSS (MB) | ddp step (s) | fsdp step (s) | fsdp / ddp step time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ranks | layout | state (MB) | ddp state (MB) | / ddp | target 1/N + 10 % | met | peak RSS (MB) "
+        "| ddp peak RSS (MB) | step (s) | ddp step (s) | step / ddp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for ranks in args.ranks:
-        d, f = by[("ddp", ranks)], by[("fsdp", ranks)]
+    for (layout, ranks), f in by.items():
+        d = by.get(("ddp", ranks))
+        if layout == "ddp" or d is None:
+            continue
         ratio, target = f["state_mb"] / d["state_mb"], 1 / ranks + 0.10
         lines.append(
-            f"| {ranks} | {d['state_mb']:.0f} | {f['state_mb']:.0f} | {ratio:.3f} | {target:.3f} | "
-            f"{'yes' if ratio <= target else 'no'} | {d['peak_rss_mb']:.0f} | {f['peak_rss_mb']:.0f} | "
-            f"{d['step_s']:.2f} | {f['step_s']:.2f} | {f['step_s'] / d['step_s']:.2f} |"
+            f"| {ranks} | {layout} | {f['state_mb']:.0f} | {d['state_mb']:.0f} | {ratio:.3f} | {target:.3f} | "
+            f"{'yes' if ratio <= target else 'no'} | {f['peak_rss_mb']:.0f} | {d['peak_rss_mb']:.0f} | "
+            f"{f['step_s']:.2f} | {d['step_s']:.2f} | {f['step_s'] / d['step_s']:.2f} |"
         )
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     Path(args.out + ".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))

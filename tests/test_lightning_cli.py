@@ -132,3 +132,25 @@ def test_lightnings_names_in_a_unifit_file_point_at_unifits(tmp_path, cli):
     assert "unifit's is tensorboard.log_every_n_steps" in result.stderr
     assert "unifit's is validate_every_n_epochs" in result.stderr
     assert "'trainer.max_epochs' received 0" in result.stderr  # all three at once
+
+
+@pytest.mark.timeout(120)
+def test_model_parallel_strategy_of_a_lightning_cli_file_maps_to_model_parallel(tmp_path, cli):
+    """Lightning's ModelParallelStrategy(tensor_parallel_size=2, data_parallel_size=2) -> model-parallel's options;
+    'auto' sizes (Lightning: from the devices of a node) are one line asking for the number."""
+    strategy = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy, init_args: {%s}}"
+    path = tmp_path / "mp.yaml"
+    path.write_text(
+        "model: {class_path: tests.probe.tiny_gpt.LightningTP}\n"
+        f"trainer: {{max_epochs: 1, strategy: {strategy % 'tensor_parallel_size: 2, data_parallel_size: 2'}}}\n"
+    )
+    result = cli("print-config", "-c", str(path))
+    assert_ok(result)
+    assert "strategy: model-parallel" in result.stdout, result.stdout
+    assert "tensor_parallel: 2" in result.stdout and "data_parallel: 2" in result.stdout, result.stdout
+    path.write_text(
+        f"model: {{class_path: tests.probe.tiny_gpt.LightningTP}}\ntrainer: {{strategy: {strategy % ''}}}\n"
+    )
+    result = cli("print-config", "-c", str(path))
+    assert result.returncode == 2
+    assert "tensor_parallel_size: 'auto'" in result.stderr and "tensor_parallel_size: 2" in result.stderr

@@ -139,6 +139,7 @@ def _refused(result, *needles: str) -> None:
         ({"plan": {"net.norm": "colwise"}}, ["matches net.norm, a LayerNorm", "only Linear and Embedding"]),
         ({"plan": {"net.head": "diagonal"}}, ["trainer.strategy_options.plan", "colwise_gather"]),
         ({"tensor_parallel": 2}, ["tensor_parallel: 2 does not divide the world size 1"]),
+        ({"data_parallel": 2}, ["data_parallel: 2 x tensor_parallel 1 is not the world size 1"]),
         ({"pipeline_parallel": 2}, ["pipeline_parallel", "not built yet"]),
     ],
 )

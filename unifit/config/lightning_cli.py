@@ -196,6 +196,33 @@ def _section(section: str, name: str, convert: Callable[[Any], Any] = lambda v: 
     return mapper
 
 
+def _strategy_into(value: Any, out: dict[str, Any]) -> None:
+    """Lightning's strategy; a ModelParallelStrategy's sizes become model-parallel's options."""
+    name = value.get("class_path", "").rsplit(".", 1)[-1] if isinstance(value, dict) else str(value)
+    if name != "ModelParallelStrategy":
+        out["strategy"] = _strategy(value)
+        return
+    args = dict(value.get("init_args") or {}) if isinstance(value, dict) else {}
+    tensor, data = args.pop("tensor_parallel_size", "auto"), args.pop("data_parallel_size", "auto")
+    backend = args.pop("process_group_backend", None)
+    if args.pop("save_distributed_checkpoint", True) is not True:
+        raise ConfigError(
+            "ModelParallelStrategy save_distributed_checkpoint: false gathers every checkpoint on rank 0; unifit "
+            "writes them sharded (resumable on any layout) and the whole model with trainer.export_dir: remove it"
+        )
+    if args:
+        raise ConfigError(f"ModelParallelStrategy init_args {sorted(args)}: not mapped by unifit; remove them")
+    if tensor == "auto":
+        raise ConfigError(
+            "ModelParallelStrategy tensor_parallel_size: 'auto' (Lightning: every device of a node); give the number "
+            "of ranks that split each layer, e.g. tensor_parallel_size: 2"
+        )
+    options: dict[str, Any] = {"tensor_parallel": tensor, "data_parallel": data}
+    if backend is not None:
+        options["backend"] = backend
+    out["strategy"], out["strategy_options"] = "model-parallel", options
+
+
 def _strategy(value: Any) -> str | None:
     """Lightning's names and classes mapped; any other name is taken as unifit's own (single, smddp-like,
     horovod...), which the strategy registry checks with the other options."""
@@ -377,7 +404,7 @@ def _enable(section: str, key: str = "enabled") -> Callable[[Any, dict[str, Any]
 
 _MAPPERS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "accelerator": _set("accelerator", _accelerator),
-    "strategy": _set("strategy", _strategy),
+    "strategy": _strategy_into,
     "precision": _set("precision", _precision),
     "logger": _logger,
     "callbacks": _callbacks,

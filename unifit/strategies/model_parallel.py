@@ -41,6 +41,9 @@ class ModelParallelOptions(FSDPOptions):
         description="ranks that split each layer of one model replica (consecutive ranks: keep them inside a host); "
         "must divide the world size; the other dimension is data parallel",
     )
+    data_parallel: Literal["auto"] | PositiveInt = Field(
+        "auto", description="the model replicas: world size / tensor_parallel (auto), or that number, checked"
+    )
     pipeline_parallel: PositiveInt = Field(1, description="1: pipeline stages are not built yet")
     plan: dict[str, Style] | None = Field(
         None,
@@ -89,6 +92,12 @@ class ModelParallelStrategy(FSDPStrategy):
                 f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel} does not divide the world size "
                 f"{self.world_size}; use a divisor of {self.world_size} or launch a multiple of {self.tensor_parallel} "
                 "ranks"
+            )
+        wanted = self.options.data_parallel
+        if wanted != "auto" and wanted * self.tensor_parallel != self.world_size:
+            raise ConfigError(
+                f"trainer.strategy_options.data_parallel: {wanted} x tensor_parallel {self.tensor_parallel} is not the "
+                f"world size {self.world_size}; set data_parallel: auto, or launch {wanted * self.tensor_parallel} ranks"
             )
         super().setup()
         if not self._group_ready():
