@@ -175,7 +175,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
     by = {(r["strategy"], r["ranks"]): r for r in rows}
     command = "nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py " + " ".join(
         [f"--steps {args.steps}", "--ranks", *map(str, args.ranks), "--layouts", *args.layouts]
-        + ([f"--out {Path(args.out).relative_to(REPO)}"] if args.out != DEFAULT_OUT else [])
+        + ([f"--out {os.path.relpath(args.out, REPO)}"] if args.out != DEFAULT_OUT else [])
     )
     lines = [
         "# Sharded layouts vs ddp: per-rank training-state memory and step time",
@@ -192,18 +192,20 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         "tp2 at 4 ranks = 2 tensor-parallel x 2 data-parallel (FSDP2); tp4 = tensor parallel only.",
         "",
         "| ranks | layout | state (MB) | ddp state (MB) | / ddp | target 1/N + 10 % | met | peak RSS (MB) "
-        "| ddp peak RSS (MB) | step (s) | ddp step (s) | step / ddp |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ddp peak RSS (MB) | step (s) | samples/s | ddp samples/s | samples/s / ddp |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (layout, ranks), f in by.items():
         d = by.get(("ddp", ranks))
         if layout == "ddp" or d is None:
             continue
         ratio, target = f["state_mb"] / d["state_mb"], 1 / ranks + 0.10
+        # a step trains BATCH samples per replica: tensor-parallel ranks share one replica's
+        rate, ddp_rate = BATCH * ranks // LAYOUTS[layout][2] / f["step_s"], BATCH * ranks / d["step_s"]
         lines.append(
             f"| {ranks} | {layout} | {f['state_mb']:.0f} | {d['state_mb']:.0f} | {ratio:.3f} | {target:.3f} | "
             f"{'yes' if ratio <= target else 'no'} | {f['peak_rss_mb']:.0f} | {d['peak_rss_mb']:.0f} | "
-            f"{f['step_s']:.2f} | {d['step_s']:.2f} | {f['step_s'] / d['step_s']:.2f} |"
+            f"{f['step_s']:.2f} | {rate:.1f} | {ddp_rate:.1f} | {rate / ddp_rate:.2f} |"
         )
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     Path(args.out + ".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))

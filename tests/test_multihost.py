@@ -261,6 +261,38 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
     assert_nothing_left(cluster, root)
 
 
+@pytest.mark.timeout(300)
+def test_model_parallel_two_hosts_splits_layers_inside_each_host(cluster, tmp_path):
+    """2 hosts x 2 ranks, 2 data-parallel x 2 tensor-parallel: each host's ranks split every layer of the small GPT
+    (the tensor-parallel collectives stay on a host's own link), the hosts hold the replicas (FSDP2 across); the
+    same weights as one process training the same global batch."""
+    from tests.helpers import assert_ok, run_unifit
+    from tests.probe.tiny_gpt import PLAN
+    from tests.test_model_parallel import YAML
+
+    one = tmp_path / "one"
+    assert_ok(
+        run_unifit(
+            "fit", "-c", str(YAML), "--trainer.root_dir", str(one), "--trainer.export_dir", str(one / "export"),
+            "--trainer.batch_size", "16", timeout=120,
+        )
+    )  # fmt: skip
+    root = tmp_path / "tp"
+    options = json.dumps({"tensor_parallel": 2, "plan": PLAN})
+    fit_args = ["-c", str(YAML), "--trainer.strategy", "model-parallel", "--trainer.strategy_options", options]
+    fit_args += ["--trainer.root_dir", str(root), "--trainer.export_dir", str(root / "export")]
+    out = run_job(cluster, root, torchrun_hosts(cluster, 2, "rdzv"), fit_args, "tp")
+    assert "4 rank(s) = 2 data-parallel x 2 tensor-parallel" in out, out[-4000:]
+    import torch
+
+    split, whole = (torch.load(r / "export" / "model.pt", weights_only=True) for r in (root, one))
+    assert max((split[k] - whole[k]).abs().max().item() for k in whole) < 2e-5
+    lines = metrics_lines(root)
+    assert [line["epoch"] for line in lines] == [1, 2, 3]  # written once, by rank 0's host
+    assert all(line["samples_seen"] == 64.0 for line in lines)
+    assert_nothing_left(cluster, root)
+
+
 # ---- a host loses its network mid-run ---------------------------------------------------------------
 def cut_mid_run(
     cluster: Cluster,
