@@ -265,16 +265,16 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
 def test_model_parallel_two_hosts_splits_layers_inside_each_host(cluster, tmp_path):
     """2 hosts x 2 ranks, 2 data-parallel x 2 tensor-parallel: each host's ranks split every layer of the small GPT
     (the tensor-parallel collectives stay on a host's own link), the hosts hold the replicas (FSDP2 across); the
-    same weights as one process training the same global batch."""
+    same weights as ddp on 2 ranks of one host."""
     from tests.helpers import assert_ok, run_unifit
     from tests.probe.tiny_gpt import PLAN
     from tests.test_model_parallel import YAML
 
-    one = tmp_path / "one"
+    one = tmp_path / "ddp"  # the same replicas on one host, unsplit
     assert_ok(
         run_unifit(
-            "fit", "-c", str(YAML), "--trainer.root_dir", str(one), "--trainer.export_dir", str(one / "export"),
-            "--trainer.batch_size", "16", timeout=120,
+            "launch", "--nproc-per-node", "2", "-c", str(YAML), "--trainer.strategy", "ddp",
+            "--trainer.root_dir", str(one), "--trainer.export_dir", str(one / "export"), timeout=120,
         )
     )  # fmt: skip
     root = tmp_path / "tp"
