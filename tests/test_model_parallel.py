@@ -144,37 +144,20 @@ def _refused(result, *needles: str) -> None:
     ],
 )
 def test_bad_layouts_and_plans_are_one_line_before_any_step(cli, tmp_path, options, needles):
-    result = cli(
-        "fit",
-        "-c",
-        str(YAML),
-        "--trainer.root_dir",
-        str(tmp_path),
-        "--trainer.strategy",
-        "model-parallel",
+    _refused(cli("fit", *_layout(tmp_path, options)), *needles)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _layout(root: Path, options: dict) -> list[str]:
+    return ["-c", str(YAML), "--trainer.root_dir", str(root), "--trainer.strategy", "model-parallel"] + [
         "--trainer.strategy_options",
         json.dumps(options),
-    )
-    _refused(result, *needles)
-    assert not (tmp_path / "checkpoints").exists()
+    ]
 
 
 @pytest.mark.timeout(120)
 def test_tensor_parallel_with_nothing_split_is_refused(tmp_path):
     """Two ranks of one replica that split nothing would each compute the whole model: refused, not wasted."""
-    result = run_unifit(
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "-c",
-        str(YAML),
-        "--trainer.root_dir",
-        str(tmp_path),
-        "--trainer.strategy",
-        "model-parallel",
-        "--trainer.strategy_options",
-        '{"tensor_parallel": 2}',
-        timeout=100,
-    )
+    result = run_unifit("launch", "--nproc-per-node", "2", *_layout(tmp_path, {"tensor_parallel": 2}), timeout=100)
     assert result.returncode != 0
     assert "tensor_parallel: 2, but nothing in TinyGPT is split" in result.stderr, result.stderr
