@@ -204,3 +204,19 @@ def test_keras_module_under_fsdp_is_refused(tmp_path, cli):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "trainer.strategy: 'fsdp' trains torch modules" in result.stderr
     assert "use one of: single, horovod, mirrored, mwms" in result.stderr
+
+
+def test_default_units_are_the_blocks_beside_a_models_own_parameters():
+    """A model with parameters of its own beside a container of blocks (a GPT's position embedding, a ViT's class
+    token) is looked into: its blocks and layers are the units, so no unit gathers the whole model; a module whose
+    forward reads a child's weights directly (nn.MultiheadAttention's out_proj) stays whole."""
+    from tests.probe.tiny_gpt import TinyGPT
+    from unifit.strategies.fsdp import _children_with_parameters
+
+    gpt = TinyGPT()
+    names = {id(m): name for name, m in gpt.named_modules()}
+    units = [names[id(u)] for u in _children_with_parameters(gpt)]
+    assert units == ["net.embed", "net.blocks.0", "net.blocks.1", "net.norm", "net.head"]
+    model = torch.nn.Module()
+    model.attn, model.head = torch.nn.MultiheadAttention(8, 2), torch.nn.Linear(8, 2)
+    assert list(_children_with_parameters(model)) == [model.attn, model.head]

@@ -521,16 +521,25 @@ def _children_with_parameters(module: Any, in_container: bool = False) -> Iterat
     """The default units, as torchtitan shards a transformer (each block, the embedding, the head): each
     element of a container (ModuleList, Sequential, ModuleDict: the repeated blocks) and each module with
     parameters of its own; a module without parameters of its own outside a container (a LightningModule's
-    `self.model`, a Hugging Face model's body) is looked into, so a wrapped model is never one unit."""
+    `self.model`, a Hugging Face model's body) is looked into, so a wrapped model is never one unit, and so is
+    one whose own parameters sit beside a container of blocks (a ViT's or GPT's position embedding and class
+    token): its own parameters go with the unit above it (the root), its blocks are units."""
     for child in module.children():
         if not any(True for _ in child.parameters()):
             continue
         if type(child).__name__ in _CONTAINERS:
             yield from _children_with_parameters(child, in_container=True)
-        elif in_container or any(True for _ in child.parameters(recurse=False)):
+        elif in_container or (any(True for _ in child.parameters(recurse=False)) and not _holds_blocks(child)):
             yield child
         else:
             yield from _children_with_parameters(child)
+
+
+def _holds_blocks(module: Any) -> bool:
+    """Whether a child of `module` is a container with parameters (its repeated blocks). A module with parameters
+    of its own and no such container (nn.MultiheadAttention, whose forward reads its out_proj's weights directly)
+    stays whole."""
+    return any(type(c).__name__ in _CONTAINERS and any(True for _ in c.parameters()) for c in module.children())
 
 
 @contextlib.contextmanager
