@@ -8,6 +8,7 @@ under model-parallel, fsdp and ddp; without data parallelism (TP4) it matches on
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tests.probe.tiny_gpt import PLAN
 YAML = REPO / "tests" / "probe" / "tiny_gpt.yaml"
 # ddp's float32 sums in another order: what the layouts may differ by after 6 steps
 CLOSE = 2e-5
+LAYOUT = {"tensor_parallel": 2, "plan": PLAN}  # 2 x 2 on 4 ranks
 
 
 def _run(root: Path, strategy: str, procs: int, *overrides: str, options: dict | None = None, ckpt: str | None = None):
@@ -50,7 +52,7 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     ddp = tmp_path / "ddp"
     _run(ddp, "ddp", 2)
     tp = tmp_path / "tp2xdp2"
-    out = _run(tp, "model-parallel", 4, "--trainer.max_epochs", "2", options={"tensor_parallel": 2, "plan": PLAN})
+    out = _run(tp, "model-parallel", 4, "--trainer.max_epochs", "2", options=LAYOUT)
     assert "4 rank(s) = 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
     assert "14 layer(s) split over 2 ranks" in out.stderr, out.stderr
     assert "global batch 32" in out.stdout + out.stderr  # 2 replicas x 8 x 2 accumulated, as ddp's 2 ranks
@@ -59,9 +61,21 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
         f"__{r}_0.distcp" for r in range(4)
     ]
     resumed = tmp_path / "resumed"
-    _run(resumed, "model-parallel", 4, options={"tensor_parallel": 2, "plan": PLAN}, ckpt=ckpt)
+    _run(resumed, "model-parallel", 4, options=LAYOUT, ckpt=ckpt)
     on_fsdp = tmp_path / "on_fsdp"
     _run(on_fsdp, "fsdp", 2, ckpt=ckpt)
+    # predict on 2 ranks of one replica (both predict every sample): each sample once, in order, as one process
+    predicted = {}
+    for name, strategy, procs, options in (("one", "single", 1, None), ("split", "model-parallel", 2, LAYOUT)):
+        out = tmp_path / f"{name}.pkl"
+        head = ["predict"] if procs == 1 else ["launch", "--run", "predict", "--nproc-per-node", str(procs)]
+        args = [*head, "-c", str(YAML), "--trainer.strategy", strategy, "--trainer.root_dir", str(tmp_path / name)]
+        args += ["--ckpt-path", ckpt, "--output", str(out)]
+        assert_ok(
+            run_unifit(*args, *(["--trainer.strategy_options", json.dumps(options)] if options else []), timeout=200)
+        )
+        predicted[name] = pickle.loads(out.read_bytes())
+    assert torch.equal(predicted["split"], predicted["one"]) and len(predicted["one"]) == 32
     reference = _weights(ddp)
     for root in (resumed, on_fsdp):
         assert _max_diff(_weights(root), reference) < CLOSE, root.name
@@ -69,6 +83,7 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     assert [line["epoch"] for line in tp_lines] == [1, 2, 3]
     for mine, theirs in zip(tp_lines, ddp_lines):
         assert mine["samples_seen"] == 64.0  # logged with reduce_fx="sum": each sample once, not per tensor rank
+        assert mine["val_samples"] == 32.0  # a torchmetrics SumMetric: one state per replica gathered
         assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)  # scaled by the 2 replicas' global batch
         for key in ("train/loss", "val_loss"):
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key

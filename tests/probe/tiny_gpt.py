@@ -9,6 +9,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -98,6 +99,7 @@ class TinyGPT(unifit.TrainModule):
         torch.manual_seed(0)
         self.net = GPT(vocab, dim, heads, layers, seq)
         self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
+        self.val_samples = torchmetrics.SumMetric()
 
     def training_step(self, batch, batch_idx):
         self.log("samples_seen", float(len(batch[0])), reduce_fx="sum")  # each sample once, whatever the layout
@@ -105,9 +107,19 @@ class TinyGPT(unifit.TrainModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", lm_loss(self.net, batch))
+        self.val_samples.update(torch.ones(len(batch[0])))  # a torchmetrics sum: each sample once, not per tensor rank
+        self.log("val_samples", self.val_samples)
+
+    def predict_step(self, batch, batch_idx):
+        """Each sequence's predicted next token after its last one."""
+        (seqs,) = batch
+        return self.net(seqs[:, :-1])[:, -1].argmax(-1)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def predict_dataset(self):
+        return tokens(self.n_val, self.seq, self.vocab, seed=3)
 
     def train_dataset(self):
         return tokens(self.n_train, self.seq, self.vocab, seed=1)
