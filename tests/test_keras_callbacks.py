@@ -233,6 +233,7 @@ def test_what_cannot_be_honoured_is_one_line(tmp_path):
     for option, message in (
         ({"data_on_device": True}, "trainer.data_on_device: true places a PyTorch module's"),
         ({"lr_find": {}}, "trainer.lr_find: the learning-rate range test runs for PyTorch modules"),
+        ({"batch_size_find": {}}, "trainer.batch_size_find: the batch size finder runs for PyTorch modules"),
     ):
         with pytest.raises(ConfigError, match=message):
             unifit.Trainer(max_epochs=1, root_dir=str(tmp_path), **QUIET, **option).fit(_model(), data={"train": train})

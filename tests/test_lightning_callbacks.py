@@ -11,7 +11,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import (
-    BatchSizeFinder,
     DeviceStatsMonitor,
     EarlyStopping,
     EMAWeightAveraging,
@@ -370,7 +369,6 @@ class _TrainModule(unifit.TrainModule):
 
 @pytest.mark.timeout(120)
 def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
-    _refused("Lightning's BatchSizeFinder is not run by unifit", callbacks=[BatchSizeFinder()])
     _refused(
         "sets trainer.checkpoint.keep_last_n, which the config sets to another value",
         callbacks=[ModelCheckpoint(monitor="x")],

@@ -7,7 +7,7 @@ Each is taken one of three ways (callbacks/foreign.py decides at set-up, all pro
   `ModelCheckpoint` -> trainer.checkpoint, `EarlyStopping` -> trainer.early_stopping, `Timer` ->
   trainer.max_time, `GradientAccumulationScheduler({0: k})` -> accumulate_grad_batches, the progress
   bars -> trainer.progress_bar, `LearningRateMonitor` / `ThroughputMonitor` -> the lr and throughput unifit
-  logs, `DeviceStatsMonitor` -> trainer.device_stats, `LearningRateFinder` -> trainer.lr_find. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
+  logs, `DeviceStatsMonitor` -> trainer.device_stats, `LearningRateFinder` -> trainer.lr_find, `BatchSizeFinder` -> trainer.batch_size_find. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
   `best_model_score`, `stopped_epoch`...), as Lightning's would be;
 - refused in one line that says why and what to do (`REFUSED`).
 """
@@ -25,10 +25,7 @@ log = logging.getLogger("unifit")
 
 # Lightning callbacks unifit refuses, and why (each is a feature Lightning has that unifit does not offer yet, or
 # cannot honour under its strategies)
-REFUSED = {
-    "BatchSizeFinder": "tunes the batch size with trial fits before training; run Lightning's Tuner once and set "
-    "trainer.batch_size",
-}
+REFUSED: dict[str, str] = {}
 _PROGRESS_BARS = ("ProgressBar", "TQDMProgressBar", "RichProgressBar")
 _LOGGED_ALREADY = {
     "LearningRateMonitor": "unifit logs each param group's lr every epoch (lr, lr/group1, ...) and every "
@@ -154,6 +151,23 @@ def _mirror_lr_finder(cb: Any, lrs: list[float], losses: list[float]) -> None:
     cb.optimal_lr = found
 
 
+def _batch_size_finder(cb: Any, plan: Any) -> dict[str, Any]:
+    def report(found: int) -> None:
+        cb.optimal_batch_size = found  # as Lightning's callback holds it
+
+    plan.reports["batch_size_find"] = report
+    settings = {
+        "mode": cb._mode,
+        "steps_per_trial": cb._steps_per_trial,
+        "init_val": cb._init_val,
+        "max_trials": cb._max_trials,
+        "batch_arg_name": cb._batch_arg_name,
+        "margin": getattr(cb, "_margin", 0.05),
+        "max_val": getattr(cb, "_max_val", 8192),
+    }
+    return {"batch_size_find": settings}
+
+
 def _device_stats(cb: Any, plan: Any) -> dict[str, Any]:
     return {"device_stats": {"enabled": True, "cpu_stats": cb._cpu_stats}}
 
@@ -176,6 +190,7 @@ MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "ProgressBar": _progress_bar,
     "DeviceStatsMonitor": _device_stats,
     "LearningRateFinder": _lr_finder,
+    "BatchSizeFinder": _batch_size_finder,
     **{kind: _logged_already for kind in _LOGGED_ALREADY},
 }
 

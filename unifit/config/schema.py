@@ -232,6 +232,30 @@ class LRFindConfig(_Strict):
     attr_name: str = Field("", description="The module attribute that holds the lr, when not lr or learning_rate.")
 
 
+class BatchSizeFindConfig(_Strict):
+    """Lightning's batch size finder (its BatchSizeFinder callback, Tuner.scale_batch_size) before the first epoch of a
+    fresh fit on one process: trial steps at growing batch sizes until memory runs out, then the fit at the largest
+    that fit, everything the trials changed put back."""
+
+    mode: Literal["power", "binsearch"] = Field(
+        "power",
+        description="power: doubled until a trial runs out of memory, then half that; binsearch: then a binary "
+        "search between the last size that fit and the first that did not.",
+    )
+    steps_per_trial: PositiveInt = Field(3, description="Optimizer steps (and validation batches) of each trial.")
+    init_val: PositiveInt = Field(2, description="The first batch size tried.")
+    max_trials: PositiveInt = Field(25, description="Trials at most.")
+    batch_arg_name: str = Field(
+        "batch_size",
+        description="The attribute (of the module, its hparams or its data module) its own DataLoaders are built "
+        "with; set to each size tried. A LightningModule must have it; unifit's own loaders follow the size anyway.",
+    )
+    margin: float = Field(
+        0.05, ge=0.0, lt=1.0, description="binsearch: the size found is lowered by this share, for headroom."
+    )
+    max_val: PositiveInt = Field(8192, description="No batch size above this is tried.")
+
+
 class DeviceStatsConfig(_Strict):
     """Log device statistics with the step values (Lightning's DeviceStatsMonitor, the same keys)."""
 
@@ -344,6 +368,10 @@ class TrainerConfig(_Strict):
     lr_find: LRFindConfig | None = Field(
         None,
         description="See LRFindConfig: a learning-rate range test before the first epoch of a fresh fit (PyTorch modules), e.g. {num_training_steps: 100}.",
+    )
+    batch_size_find: BatchSizeFindConfig | None = Field(
+        None,
+        description="See BatchSizeFindConfig: the largest batch size that fits in memory, found by trial steps before the first epoch of a fresh fit (PyTorch modules, one process), e.g. {mode: binsearch}.",
     )
     device_stats: DeviceStatsConfig = Field(
         default_factory=DeviceStatsConfig,

@@ -190,6 +190,13 @@ class Engine(ABC):
             "lr in a short run of your own (e.g. a LearningRateScheduler callback) and set it"
         )
 
+    def find_batch_size(self, settings: Any) -> int:
+        """Lightning's batch size finder before the first epoch (trainer.batch_size_find); PyTorch modules."""
+        raise ConfigError(
+            "trainer.batch_size_find: the batch size finder runs for PyTorch modules; for a Keras module try a few "
+            "batch sizes in short runs of your own and set trainer.batch_size"
+        )
+
     def start_sharded_write(self, state: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
         """Under a sharded strategy every rank starts writing its shards of this engine's `state` to `url`
         now (in the background: the Future) and the rest is left for `checkpoint_files`; by default

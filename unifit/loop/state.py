@@ -21,6 +21,12 @@ class Progress:
     batches_per_epoch: int = 0  # micro-batches per epoch on each rank
     steps_per_epoch: int = 0  # optimizer steps per epoch
 
+    def take_sizes(self, global_batch: int, batches_per_epoch: int, accumulate: int) -> Progress:
+        """This run's sizes (the engine's: they change with its batch size)."""
+        self.global_batch, self.batches_per_epoch = global_batch, batches_per_epoch
+        self.steps_per_epoch = -(-batches_per_epoch // accumulate)
+        return self
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 

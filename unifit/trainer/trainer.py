@@ -157,6 +157,8 @@ class Trainer:
             if ctx.resumed_from is None:
                 engine.seed(cfg.seed + strategy.data_parallel_rank)  # per-replica randomness (dropout, augmentation)
                 self.state.progress.epoch = initial_epoch
+            if cfg.batch_size_find is not None:
+                cfg = self._find_batch_size(engine, ctx, given, prepared.plan.reports.get("batch_size_find"))
             if cfg.lr_find is not None:
                 self._find_lr(engine, cfg, prepared.plan.reports.get("lr_find"), resumed=ctx.resumed_from is not None)
             dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
@@ -182,6 +184,25 @@ class Trainer:
                 engine.close()
                 strategy.teardown()
         return self.state
+
+    def _find_batch_size(self, engine: Any, ctx: FitContext, given: Any, report: Any) -> TrainerConfig:
+        """The batch size finder of a fresh fit (a resumed one goes on at the size its checkpoint was trained at);
+        the fit's sizes follow the size found."""
+        if ctx.resumed_from is not None:
+            log.info(
+                "batch size finder: skipped, the fit resumes from a checkpoint at batch size %d",
+                engine.config.batch_size,
+            )
+        else:
+            found = engine.find_batch_size(ctx.config.batch_size_find)
+            ctx.state.progress.take_sizes(
+                engine.global_batch, engine.batches_per_epoch, engine.config.accumulate_grad_batches
+            )
+            if report is not None:  # Lightning's BatchSizeFinder object is told, as Lightning's would be
+                report(found)
+        ctx.config = engine.config
+        ctx.resolved_config = self._resolved_config(given, ctx.config)
+        return ctx.config
 
     @staticmethod
     def _find_lr(engine: Any, cfg: TrainerConfig, report: Any, resumed: bool) -> None:
@@ -451,11 +472,7 @@ def _launched_strategy(config: TrainerConfig) -> TrainerConfig:
 
 def _progress_of(engine: Any, accumulate: int) -> Progress:
     """A fresh Progress with this run's sizes (the position starts at zero or comes from a checkpoint)."""
-    return Progress(
-        global_batch=engine.global_batch,
-        batches_per_epoch=engine.batches_per_epoch,
-        steps_per_epoch=-(-engine.batches_per_epoch // accumulate),
-    )
+    return Progress().take_sizes(engine.global_batch, engine.batches_per_epoch, accumulate)
 
 
 def _val_check_batches(cfg: TrainerConfig, batches_per_epoch: int, mid_accumulation: bool) -> int | None:

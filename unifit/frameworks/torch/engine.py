@@ -18,7 +18,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.base import Engine
 from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
-from unifit.frameworks.torch import combined, input_path, iterable, lr_finder, pruning, user_loaders
+from unifit.frameworks.torch import batch_size_finder, combined, input_path, iterable, lr_finder, pruning, user_loaders
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
@@ -33,6 +33,7 @@ log = logging.getLogger("unifit")
 
 # param-group keys and scheduler attributes that hold learning rates, scaled together
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+FOUND = batch_size_finder.SOURCE
 _LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "base_values")  # base_values: timm's schedulers
 
 
@@ -97,6 +98,72 @@ class TorchEngine(TorchEvaluation, Engine):
         self._scheduled_epoch = -1  # the last epoch whose epoch-interval schedule has stepped
         self._mid_window = False  # the last micro-batch did not step: gradients are being accumulated
 
+        self._given_config = self.config  # before this fit's sizes are taken: a new batch size starts from it
+        self._setup_data()
+        cfg = self.config
+        self.accumulate = cfg.accumulate_grad_batches
+        manual = not getattr(self.module, "automatic_optimization", True)
+        if manual:
+            _check_manual(cfg, _name(self.module))
+        steps_per_epoch = math.ceil(self._batches / self.accumulate)
+        self.module.stepping_batches = self._fit_length(steps_per_epoch)  # known before configure_optimizers
+        cfg = self.config  # max_steps: with the epochs it spans
+        hooks = self.module.step_hooks()
+        self.optimizers, self.schedules = parse_optimizers(
+            _configure_optimizers(self.module), _name(self.module), manual, "lr_scheduler_step" in hooks
+        )
+        self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
+        for optimizer in self.optimizers:
+            _scale_lrs(optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor)
+        self._steps = 0
+        training = self.training
+        step_module = _StepModule(self.module)
+        if manual:
+            self.wrapped, self.optimizers = training.setup_manual(
+                step_module, self.optimizers, self.device, self.precision
+            )
+        else:
+            self.wrapped, optimizer = training.setup_module_and_optimizer(
+                step_module, self.optimizers[0], self.device, self.precision, self.accumulate
+            )
+            if optimizer is not self.optimizers[0]:
+                for spec in self.schedules:  # same param groups; the schedulers follow the wrapper
+                    spec.scheduler.optimizer = optimizer
+            self.optimizers = [optimizer]
+        self.optimizer = self.optimizers[0]
+        self.stepped = [] if manual else list(self.schedules)
+        self.seams = StepSeams(self, manual, hooked=bool(hooks & set(STEP_HOOKS)))
+        self._seamed = manual or self.seams.hooked  # the step runs through the seams, with the module's parts
+        self.module.bind_steps(self.seams)
+        # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
+        unwrapped = type(self.wrapped) is _StepModule
+        self._forward = self.module.training_step if unwrapped else self.wrapped
+        self._validate = (
+            functools.partial(self.wrapped, step="validation_step")
+            if training.routes_all_steps
+            else self.module.validation_step
+        )
+        if cfg.compile:
+            self._forward = _compiled(self._forward)
+        # what TorchTraining's default step amounts to in full precision without accumulation or
+        # clipping: loss.backward(), optimizer.step(), zero_grad(), called without its layers
+        self._plain = (
+            not self._seamed
+            and type(self.precision) is Precision
+            and self.accumulate == 1
+            and cfg.gradient_clip_val is None
+            and all(
+                getattr(type(training), hook) is getattr(TorchTraining, hook)
+                for hook in ("backward", "synchronized_gradients", "optimizer_step")
+            )
+            # a frozen parameter in the optimizer may be unfrozen later: the strategy's step averages it then
+            and all(p.requires_grad for group in self.optimizer.param_groups for p in group["params"])
+        )
+        self._plain_groups = len(self.optimizer.param_groups)  # one added later (finetuning): the strategy's step
+
+    def _setup_data(self) -> None:
+        """The loaders at this fit's batch size, and the sizes that follow from it (called again by resize())."""
+        cfg, strategy = self.config, self.strategy
         pin = self.device.type == "cuda"
         train, presharded = self._rank_data(self.data.train_dataset())
         cfg = self.config = self._adopt_batch_size(train)
@@ -163,65 +230,6 @@ class TorchEngine(TorchEvaluation, Engine):
             for loader in self.val_loaders:
                 self._place_on_device(loader, "val_dataset()")
 
-        self.accumulate = cfg.accumulate_grad_batches
-        manual = not getattr(self.module, "automatic_optimization", True)
-        if manual:
-            _check_manual(cfg, _name(self.module))
-        steps_per_epoch = math.ceil(self._batches / self.accumulate)
-        self.module.stepping_batches = self._fit_length(steps_per_epoch)  # known before configure_optimizers
-        cfg = self.config  # max_steps: with the epochs it spans
-        hooks = self.module.step_hooks()
-        self.optimizers, self.schedules = parse_optimizers(
-            _configure_optimizers(self.module), _name(self.module), manual, "lr_scheduler_step" in hooks
-        )
-        self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
-        for optimizer in self.optimizers:
-            _scale_lrs(optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor)
-        self._steps = 0
-        training = self.training
-        step_module = _StepModule(self.module)
-        if manual:
-            self.wrapped, self.optimizers = training.setup_manual(
-                step_module, self.optimizers, self.device, self.precision
-            )
-        else:
-            self.wrapped, optimizer = training.setup_module_and_optimizer(
-                step_module, self.optimizers[0], self.device, self.precision, self.accumulate
-            )
-            if optimizer is not self.optimizers[0]:
-                for spec in self.schedules:  # same param groups; the schedulers follow the wrapper
-                    spec.scheduler.optimizer = optimizer
-            self.optimizers = [optimizer]
-        self.optimizer = self.optimizers[0]
-        self.stepped = [] if manual else list(self.schedules)
-        self.seams = StepSeams(self, manual, hooked=bool(hooks & set(STEP_HOOKS)))
-        self._seamed = manual or self.seams.hooked  # the step runs through the seams, with the module's parts
-        self.module.bind_steps(self.seams)
-        # unwrapped (one process): call training_step directly, without nn.Module.__call__'s cost
-        unwrapped = type(self.wrapped) is _StepModule
-        self._forward = self.module.training_step if unwrapped else self.wrapped
-        self._validate = (
-            functools.partial(self.wrapped, step="validation_step")
-            if training.routes_all_steps
-            else self.module.validation_step
-        )
-        if cfg.compile:
-            self._forward = _compiled(self._forward)
-        # what TorchTraining's default step amounts to in full precision without accumulation or
-        # clipping: loss.backward(), optimizer.step(), zero_grad(), called without its layers
-        self._plain = (
-            not self._seamed
-            and type(self.precision) is Precision
-            and self.accumulate == 1
-            and cfg.gradient_clip_val is None
-            and all(
-                getattr(type(training), hook) is getattr(TorchTraining, hook)
-                for hook in ("backward", "synchronized_gradients", "optimizer_step")
-            )
-            # a frozen parameter in the optimizer may be unfrozen later: the strategy's step averages it then
-            and all(p.requires_grad for group in self.optimizer.param_groups for p in group["params"])
-        )
-        self._plain_groups = len(self.optimizer.param_groups)  # one added later (finetuning): the strategy's step
         # samples per batch, known at set-up (a batch sampler of the user's may vary them: read from each batch)
         self._sizes: tuple[int, int] | None = (
             (cfg.batch_size,) * 2
@@ -230,6 +238,25 @@ class TorchEngine(TorchEvaluation, Engine):
             if self.train_loader.batch_size is None
             else tdata.batch_sizes(self.train_loader, self._batches)
         )
+
+    def resize(self, batch_size: int, source: str) -> None:
+        """Train at `batch_size` from here on (the batch size finder's trials and result, a resume of its run): the
+        loaders made again, and what follows from their length (the fit's steps, warmup, the lr scaling)."""
+        self.config = self._given_config.adopting_batch_size(batch_size, source)
+        self._setup_data()  # a DataLoader of the module's own brings its batch size: the finder checks it followed
+        if self.config.batch_size == batch_size:
+            self.config = self.config.adopting_batch_size(batch_size, source)
+        steps_per_epoch = math.ceil(self._batches / self.accumulate)
+        self.module.stepping_batches = self._fit_length(steps_per_epoch)
+        was = self.policy.factor
+        self.policy = LRPolicy.from_config(self.config, self.replicas, steps_per_epoch)
+        for optimizer in self.optimizers:  # lr_scaling by a base_batch_size: the lrs follow the new batch size
+            _scale_lrs(
+                optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor / was
+            )
+
+    def find_batch_size(self, settings: Any) -> Any:
+        return batch_size_finder.find_batch_size(self, settings)
 
     def _adopt_batch_size(self, train: Any) -> Any:
         """The run's config, with the training DataLoader's batch size when trainer.batch_size was not set."""
@@ -477,9 +504,14 @@ class TorchEngine(TorchEvaluation, Engine):
             "scheduled_epoch": self._scheduled_epoch,  # a checkpoint in an epoch's last batch: its schedule stepped
             "precision": self.precision.state_dict(),
             "lr_factor": self.policy.factor,  # the world size's lr scaling the saved lrs include
+            **({"found_batch_size": self.config.batch_size} if self.config.batch_size_from == FOUND else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        found = state.get("found_batch_size")
+        if found is not None and found != self.config.batch_size:  # the batch size finder's run goes on at its size
+            self.resize(int(found), FOUND)
+            log.info("resume: batch size %d, as the batch size finder found it for this run", found)
         pruning.prune_like(self.module.state_module, state.get("model", {}))  # a pruned model's masks, resumed
         self._restore_param_groups(state.get("param_groups", []))
         self.training.load_training_state(

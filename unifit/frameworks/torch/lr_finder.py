@@ -131,7 +131,8 @@ def _set_lr(engine: Any, lr: float) -> None:
 
 
 def _snapshot(engine: Any) -> dict[str, Any]:
-    return copy.deepcopy(
+    """What a sweep or a trial changes, copied to host memory (a copy on the GPU would take memory the trials need)."""
+    return _on_host(
         {
             "model": engine.module.state_module.state_dict(),
             "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
@@ -140,6 +141,18 @@ def _snapshot(engine: Any) -> dict[str, Any]:
             "rng": engine.rng_state(),
         }
     )
+
+
+def _on_host(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_host(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _restore(engine: Any, saved: dict[str, Any]) -> None:
