@@ -175,30 +175,44 @@ def test_backup_and_restore_and_tensorboard_map_onto_unifits_own(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_an_endless_pipeline_with_steps_per_epoch_reads_on_as_model_fit_and_resumes(tmp_path):
+def test_endless_pipelines_with_steps_per_epoch_and_validation_steps_read_on_as_model_fit_and_resume(tmp_path):
     """repeat() without a count and steps_per_epoch: each epoch reads on where the last stopped (5 steps of 16 of
-    a 128-sample set: epochs cross the set's end), as model.fit does; a resume reads past what was trained on."""
+    a 128-sample set: epochs cross the set's end), as model.fit does; a resume reads past what was trained on.
+    An endless validation pipeline with validation_steps: each validation reads the stream's first 3 batches anew
+    (of a 2-batch set: its first batch twice), as model.fit resets its evaluation iterator; every epoch's val_loss
+    equals model.fit's (reading on from one validation to the next would not)."""
     train, val = _data()
 
     def endless() -> tf.data.Dataset:  # a new one per run: a shuffle draws another order per iterator made
         return train.unbatch().shuffle(128, seed=1).repeat().batch(BATCH)
 
+    def endless_val() -> tf.data.Dataset:
+        return val.unbatch().repeat().batch(BATCH)
+
     theirs = _model()
-    theirs.fit(endless(), validation_data=val, epochs=3, steps_per_epoch=5, verbose=0)
-    ours = _model()
-    state = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "whole"), **QUIET).fit(
-        ours, data={"train": endless(), "val": val}, steps_per_epoch=5
+    history = theirs.fit(
+        endless(), validation_data=endless_val(), epochs=3, steps_per_epoch=5, validation_steps=3, verbose=0
+    )
+    ours, recorder = _model(), Recorder()
+    state = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "whole"), callbacks=[recorder], **QUIET).fit(
+        ours, data={"train": endless(), "val": endless_val()}, steps_per_epoch=5, validation_steps=3
     )
     assert state.global_step == 15
     for a, b in zip(ours.get_weights(), theirs.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    val_losses = [logs["val_loss"] for _, logs in recorder.epochs]
+    np.testing.assert_allclose(val_losses, history.history["val_loss"], rtol=1e-5)
     with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
         unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "part"), callbacks=[_Interrupt(2)], **QUIET).fit(
-            _model(), data={"train": endless(), "val": val}, steps_per_epoch=5
+            _model(), data={"train": endless(), "val": endless_val()}, steps_per_epoch=5, validation_steps=3
         )
     resumed = _model()
     unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "part"), **QUIET).fit(
-        resumed, data={"train": endless(), "val": val}, steps_per_epoch=5, ckpt_path="last"
+        resumed,
+        data={"train": endless(), "val": endless_val()},
+        steps_per_epoch=5,
+        validation_steps=3,
+        ckpt_path="last",
     )
     for a, b in zip(resumed.get_weights(), ours.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
@@ -229,7 +243,7 @@ def test_what_cannot_be_honoured_is_one_line(tmp_path):
     weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(len(x), np.float32))).batch(BATCH)
     refused("has sample weights too", data={"train": weighted}, class_weight={0: 2.0})
     refused("give steps_per_epoch", data={"train": train.repeat()})
-    refused("unifit evaluates the whole dataset each time", data={"train": train, "val": val.repeat()})
+    refused("give validation_steps", data={"train": train, "val": val.repeat()})
     for option, message in (
         ({"data_on_device": True}, "trainer.data_on_device: true places a PyTorch module's"),
         ({"lr_find": {}}, "trainer.lr_find: the learning-rate range test runs for PyTorch modules"),

@@ -109,16 +109,20 @@ class Trainer:
         steps_per_epoch: int | None = None,
         validation_freq: int | None = None,
         initial_epoch: int = 0,
+        validation_steps: int | None = None,
     ) -> TrainState:
         """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
         ('last', 'best', a checkpoint name or directory). Returns the final TrainState.
 
         Lightning's ways of passing data work too: `fit(model, train_loader, val_loader)`,
         `train_dataloaders=` / `val_dataloaders=`, `datamodule=`; and model.fit's `class_weight`,
-        `steps_per_epoch` (trainer.limit_train_batches), `validation_freq` (validate_every_n_epochs) and
+        `steps_per_epoch` (trainer.limit_train_batches), `validation_steps` (limit_val_batches),
+        `validation_freq` (validate_every_n_epochs) and
         `initial_epoch` (the epoch a fresh run starts counting from)."""
         data, ckpt_path = passed_data("fit", data, ckpt_path, datamodule, train=train_dataloaders, val=val_dataloaders)
-        config = _with_fit_arguments(self.config, class_weight, steps_per_epoch, validation_freq, initial_epoch)
+        config = _with_fit_arguments(
+            self.config, class_weight, steps_per_epoch, validation_freq, initial_epoch, validation_steps
+        )
         prepared = prepare(config, module, data, self.foreign_callbacks)
         cfg = prepared.plan.config  # with what the Lightning callbacks given map onto (checkpoint, early stopping...)
         given, (module, strategy, engine) = module, set_up(cfg, prepared.module, prepared.data)
@@ -397,15 +401,25 @@ class Trainer:
 
 
 def _with_fit_arguments(
-    config: TrainerConfig, class_weight: Any, steps_per_epoch: Any, validation_freq: Any, initial_epoch: Any
+    config: TrainerConfig,
+    class_weight: Any,
+    steps_per_epoch: Any,
+    validation_freq: Any,
+    initial_epoch: Any,
+    validation_steps: Any = None,
 ) -> TrainerConfig:
     """model.fit's arguments as the trainer options they are; one given both ways must agree."""
     given = {
         "class_weight": class_weight,
         "limit_train_batches": steps_per_epoch,
         "validate_every_n_epochs": validation_freq,
+        "limit_val_batches": validation_steps,
     }
-    names = {"limit_train_batches": "steps_per_epoch", "validate_every_n_epochs": "validation_freq"}
+    names = {
+        "limit_train_batches": "steps_per_epoch",
+        "validate_every_n_epochs": "validation_freq",
+        "limit_val_batches": "validation_steps",
+    }
     updates = {}
     for field, value in given.items():
         if value is None:

@@ -374,10 +374,11 @@ def _binary_or_sparse(y: Any, y_pred: Any) -> tuple[bool, bool]:
 
 
 def _checked(data: Any, split: str) -> Any:
-    """Arrays pass through; a tf.data.Dataset is checked (unbatched (x, y[, sample_weight]) elements, finite)
+    """Arrays pass through; a tf.data.Dataset is checked (unbatched (x, y[, sample_weight]) elements, finite but for
+    fit's, which then needs steps_per_epoch / validation_steps)
     and stays lazy (the engine shards and batches it per replica)."""
     if isinstance(data, tf.data.Dataset):
-        check_dataset(data, f"data ({split})", endless_ok=split == "train")
+        check_dataset(data, f"data ({split})", endless_ok=split in ("train", "val"))  # fit asks for their steps
         return data
     if isinstance(data, (tuple, list)) and len(data) >= 2:
         return tuple(np.asarray(a) if not isinstance(a, np.ndarray) else a for a in data)

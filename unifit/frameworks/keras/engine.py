@@ -149,8 +149,18 @@ class KerasEngine(KerasEvaluation, Engine):
         cfg = self.config  # max_steps: with the epochs it spans
         val, val_presharded = self._rank_data(self.data.val_dataset())
         if val is not None and cfg.limit_val_batches != 0 and isinstance(val, tf.data.Dataset):
-            self.val_lazy = self._lazy(val, "val_dataset()", val_presharded)
-            self._val_sizes = self._val_plan(self.val_lazy.count)
+            self.val_lazy = self._lazy(val, "val_dataset()", val_presharded, endless_ok=True)
+            if not self.val_lazy.endless:
+                self._val_sizes = self._val_plan(self.val_lazy.count)
+            elif cfg.limit_val_batches is None:
+                raise ConfigError(
+                    "val_dataset(): the tf.data pipeline is endless (repeat() without a count); give validation_steps "
+                    "(Trainer.fit(..., validation_steps=N) or trainer.limit_val_batches: N), as model.fit needs it, or "
+                    "remove .repeat()"
+                )
+            else:  # as model.fit with validation_steps: each validation reads the stream's first N batches anew
+                steps = cfg.limit_val_batches
+                self._val_sizes = step_sizes(steps * self.local_batch, steps, self.local_batch, self.local_replicas)
         elif val is not None and cfg.limit_val_batches != 0:
             self.val_arrays = _arrays(val, "val_dataset()")
             n_val = len(self.val_arrays[0])
