@@ -31,6 +31,7 @@ from tests.probe.lightning_probe import BatchNormRegressor, Regressor
 from tests.zoo.hook_recording import HookedCallback, HookedData, HookedModel, TrainerHookedCallback
 from unifit.config.schema import TrainerConfig
 from unifit.errors import ConfigError
+from unifit.frameworks.lr_policy import LRPolicy
 
 QUIET = {"progress_bar": False, "tensorboard": {"enabled": False}, "lr_scaling": "none"}
 LIMITS = {"max_epochs": 2, "limit_train_batches": 4, "limit_val_batches": 2, "accumulate_grad_batches": 2}
@@ -336,7 +337,7 @@ def test_stochastic_weight_averaging_on_batch_norm_adds_lightnings_forward_only_
     assert state.progress.epoch == 6 and state.global_step == 5 * 8  # 8 batches an epoch, the sixth steps nothing
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch=*"))
     assert checkpoints[-1] == "epoch=0006-step=0000040", checkpoints
-    with pytest.raises(ConfigError, match="the accumulation is set once per fit"):
+    with pytest.raises(ConfigError, match="the accumulation is set before the fit"):
         trainer_view = ours.trainer
         trainer_view.accumulate_grad_batches = 3
 
@@ -378,13 +379,59 @@ def test_what_is_not_honoured_is_refused_in_one_line_all_at_once(tmp_path):
         "sets trainer.checkpoint like another callback",
         callbacks=[ModelCheckpoint(), ModelCheckpoint(every_n_train_steps=5)],
     )
-    _refused("changes accumulation during training", callbacks=[GradientAccumulationScheduler({0: 1, 2: 4})])
+    _refused(
+        "accumulate_grad_batches=2 is set too; set only one",
+        callbacks=[GradientAccumulationScheduler({1: 4})],
+        accumulate_grad_batches=2,
+    )
     _refused("overrides on_validation_end", callbacks=[_EarlyStoppingWithHook(monitor="x")])
     _refused(
         "run with a LightningModule, and _TrainModule is not one",
         module=_TrainModule(),
         callbacks=[HookedCallback([], "x")],
     )
+
+
+@pytest.mark.timeout(120)
+def test_an_accumulation_schedule_trains_as_lightnings_and_resumes_mid_run(tmp_path):
+    """GradientAccumulationScheduler({1: 2, 2: 3}) over 3 epochs of 8 batches: 8 + 4 + 3 optimizer steps (the last
+    window of epoch 3 steps at the epoch's end), the same weights as Lightning's Trainer (through the module's
+    StepLR by step); the steps the fit spans and the warmup follow the schedule. Stopped after epoch 2 and resumed,
+    it ends where the uninterrupted run ends."""
+    schedule = {1: 2, 2: 3}
+    torch.manual_seed(0)
+    theirs = Regressor()
+    reference = _lightning(max_epochs=3, callbacks=[GradientAccumulationScheduler(schedule)])
+    reference.fit(theirs)
+    assert reference.global_step == 15
+
+    def ours(epochs: int, root, module=None, ckpt_path=None):
+        if module is None:
+            torch.manual_seed(0)
+            module = _StepsCounted()
+        options = dict(max_epochs=epochs, batch_size=8, root_dir=str(root), **QUIET)
+        trainer = unifit.Trainer(callbacks=[GradientAccumulationScheduler(schedule)], **options)
+        return module, trainer.fit(module, ckpt_path=ckpt_path)
+
+    whole, state = ours(3, tmp_path / "whole")
+    assert state.global_step == 15 and whole.estimated_steps == 15
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(whole.state_dict()[key], value, rtol=0, atol=1e-6, msg=key)
+    ours(2, tmp_path / "part")
+    torch.manual_seed(0)
+    resumed, state = ours(3, tmp_path / "part", module=_StepsCounted(), ckpt_path="last")
+    assert state.global_step == 15
+    for key, value in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+    config = TrainerConfig(accumulation_schedule=schedule, warmup_epochs=1.5)
+    policy = LRPolicy.from_config(config, 1, lambda epoch: -(-8 // config.accumulation_at(epoch)))
+    assert policy.warmup_steps == 10  # epoch 1's 8 steps and half of epoch 2's 4
+
+
+class _StepsCounted(Regressor):
+    def configure_optimizers(self):
+        self.estimated_steps = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
 
 
 def _averaged(root, epochs: int, averaging: bool = True, ckpt_path: str | None = None) -> tuple[Regressor, dict]:

@@ -5,7 +5,7 @@ Each is taken one of three ways (callbacks/foreign.py decides at set-up, all pro
   `LambdaCallback`, `ModelSummary`...): with a LightningModule;
 - mapped onto what unifit does itself, with the same behaviour (docs/lightning.md#callbacks):
   `ModelCheckpoint` -> trainer.checkpoint, `EarlyStopping` -> trainer.early_stopping, `Timer` ->
-  trainer.max_time, `GradientAccumulationScheduler({0: k})` -> accumulate_grad_batches, the progress
+  trainer.max_time, `GradientAccumulationScheduler` -> accumulate_grad_batches / accumulation_schedule, the progress
   bars -> trainer.progress_bar, `LearningRateMonitor` / `ThroughputMonitor` -> the lr and throughput unifit
   logs, `DeviceStatsMonitor` -> trainer.device_stats, `LearningRateFinder` -> trainer.lr_find, `BatchSizeFinder` -> trainer.batch_size_find. The user's ModelCheckpoint / EarlyStopping objects are kept up to date (`best_model_path`,
   `best_model_score`, `stopped_epoch`...), as Lightning's would be;
@@ -114,13 +114,10 @@ def _timer(cb: Any, plan: Any) -> dict[str, Any]:
 
 
 def _accumulation(cb: Any, plan: Any) -> dict[str, Any]:
-    scheduling = dict(cb.scheduling)
-    if set(scheduling) != {0}:
-        raise ConfigError(
-            f"scheduling={scheduling} changes accumulation during training, which unifit keeps constant for a fit "
-            "(its steps per epoch, warmup and checkpoints are sized by it); set trainer.accumulate_grad_batches"
-        )
-    return {"accumulate_grad_batches": int(scheduling[0])}
+    scheduling = {int(epoch): int(factor) for epoch, factor in dict(cb.scheduling).items()}
+    if set(scheduling) == {0}:
+        return {"accumulate_grad_batches": scheduling[0]}
+    return {"accumulation_schedule": scheduling}
 
 
 def _progress_bar(cb: Any, plan: Any) -> dict[str, Any]:

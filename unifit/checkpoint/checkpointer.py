@@ -191,7 +191,7 @@ class Checkpointer:
             return None
         engine.load_state_dict(snapshot.engine)
         # the engine's batch size may be the checkpoint's (one the batch size finder found): the sizes follow it
-        progress.take_sizes(engine.global_batch, engine.batches_per_epoch, engine.config.accumulate_grad_batches)
+        progress.take_sizes(engine.global_batch, engine.batches_per_epoch, engine.config.accumulation_at(0))
         at = snapshot.trainer.progress
         progress.epoch, progress.optimizer_step, progress.samples_seen = at.epoch, at.optimizer_step, at.samples_seen
         if at.batch_in_epoch:

@@ -19,6 +19,7 @@ from pydantic import (
     PositiveInt,
     PrivateAttr,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -317,6 +318,10 @@ class TrainerConfig(_Strict):
         False, description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules."
     )
     accumulate_grad_batches: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    accumulation_schedule: dict[NonNegativeInt, PositiveInt] | None = Field(
+        None,
+        description="Accumulation that changes during the fit (Lightning's GradientAccumulationScheduler): epoch (from 0) -> accumulate_grad_batches from that epoch on, e.g. {0: 8, 4: 4, 8: 1}; epochs before the first key accumulate 1. Instead of accumulate_grad_batches; PyTorch modules with automatic optimization.",
+    )
     gradient_clip_val: PositiveFloat | None = Field(
         None, description="Clip the global gradient norm to this value before each optimizer step."
     )
@@ -421,6 +426,25 @@ class TrainerConfig(_Strict):
             raise ValueError(f"received {value!r}; give seconds (e.g. 3600) or 'DD:HH:MM:SS' (e.g. '00:12:00:00')")
         days, hours, minutes, seconds = (int(p) for p in parts)
         return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+    def accumulation_at(self, epoch: int) -> int:
+        """Micro-batches per optimizer step in `epoch` (from 0)."""
+        if not self.accumulation_schedule:
+            return self.accumulate_grad_batches
+        started = [e for e in self.accumulation_schedule if e <= epoch]
+        return self.accumulation_schedule[max(started)] if started else 1
+
+    def accumulations(self) -> set[int]:
+        """Every accumulation the fit uses."""
+        return {self.accumulation_at(0), *(self.accumulation_schedule or {}).values()}
+
+    @field_validator("accumulation_schedule")
+    @classmethod
+    def _one_accumulation(cls, schedule: dict[int, int] | None, info: ValidationInfo) -> dict[int, int] | None:
+        given = info.data.get("accumulate_grad_batches", 1)
+        if schedule and given != 1:
+            raise ValueError(f"accumulate_grad_batches={given} is set too; set only one (as Lightning refuses both)")
+        return schedule
 
     @model_validator(mode="after")
     def _one_warmup(self) -> TrainerConfig:

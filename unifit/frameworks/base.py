@@ -36,20 +36,26 @@ class Engine(ABC):
 
     @property
     def global_batch(self) -> int:
-        """Samples per optimizer step over all replicas: the one number LR scaling and logs use."""
-        return self.config.batch_size * self.replicas * self.config.accumulate_grad_batches
+        """Samples per optimizer step over all replicas (of the first epoch, where accumulation changes): the one
+        number LR scaling and logs use."""
+        return self.config.batch_size * self.replicas * self.config.accumulation_at(0)
 
-    def _fit_length(self, steps_per_epoch: int) -> int:
-        """The fit's optimizer steps in all (what schedules are sized by: Lightning's estimated_stepping_batches).
-        With trainer.max_steps this fit's config takes the epochs they span (all of them when max_epochs was not
-        set, as Lightning's max_epochs=-1; else at most max_epochs)."""
+    def _fit_length(self, steps_per_epoch: int | Callable[[int], int]) -> int:
+        """The fit's optimizer steps in all (what schedules are sized by: Lightning's estimated_stepping_batches);
+        `steps_per_epoch`: a number, or epoch -> its steps where accumulation changes. With trainer.max_steps this
+        fit's config takes the epochs they span (all of them when max_epochs was not set, as Lightning's
+        max_epochs=-1; else at most max_epochs)."""
         cfg = self.config
+        steps_of = steps_per_epoch if callable(steps_per_epoch) else lambda epoch: steps_per_epoch
         if cfg.max_steps is None:
-            return steps_per_epoch * cfg.max_epochs
-        spanned = -(-cfg.max_steps // steps_per_epoch)
-        epochs = min(cfg.max_epochs, spanned) if "max_epochs" in cfg.model_fields_set else spanned
+            return sum(steps_of(epoch) for epoch in range(cfg.max_epochs))
+        limit = cfg.max_epochs if "max_epochs" in cfg.model_fields_set else None
+        epochs, total = 0, 0
+        while total < cfg.max_steps and (limit is None or epochs < limit):
+            total += steps_of(epochs)
+            epochs += 1
         self.config = cfg.model_copy(update={"max_epochs": epochs})
-        return min(cfg.max_steps, steps_per_epoch * epochs)
+        return min(cfg.max_steps, total)
 
     @property
     def validates_mid_accumulation(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from unifit.config.schema import TrainerConfig
 
@@ -21,12 +22,19 @@ class LRPolicy:
     warmup_steps: int
 
     @classmethod
-    def from_config(cls, cfg: TrainerConfig, world_size: int, steps_per_epoch: int) -> LRPolicy:
-        global_batch = cfg.batch_size * world_size * cfg.accumulate_grad_batches
+    def from_config(cls, cfg: TrainerConfig, world_size: int, steps_per_epoch: int | Callable[[int], int]) -> LRPolicy:
+        """`steps_per_epoch`: a number, or epoch -> its optimizer steps (accumulation that changes by epoch)."""
+        global_batch = cfg.batch_size * world_size * cfg.accumulation_at(0)
         ratio = global_batch / (cfg.base_batch_size or cfg.batch_size)
         factor = {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[cfg.lr_scaling]
         if cfg.warmup_steps is not None:
             warmup = cfg.warmup_steps
+        elif callable(steps_per_epoch):  # the warmup epochs' own steps
+            whole = int(cfg.warmup_epochs)
+            warmup = math.ceil(
+                sum(steps_per_epoch(epoch) for epoch in range(whole))
+                + (cfg.warmup_epochs - whole) * steps_per_epoch(whole)
+            )
         else:
             warmup = math.ceil(cfg.warmup_epochs * steps_per_epoch)
         return cls(factor=factor, warmup_steps=warmup)

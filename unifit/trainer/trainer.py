@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -136,7 +137,7 @@ class Trainer:
             engine.seed(cfg.seed)  # identical on every rank; the model is broadcast from rank 0 anyway
             engine.setup()
             cfg = engine.config  # this fit's: it may take its batch size from the user's own DataLoader
-            self.state.progress = _progress_of(engine, cfg.accumulate_grad_batches)
+            self.state.progress = _progress_of(engine, cfg.accumulation_at(0))
             module.use_loggers(loggers)  # self.logger / self.loggers (writing on rank 0 once the fit starts)
             callbacks = self._callbacks(module, cfg, prepared, loggers)
             ctx = FitContext(
@@ -200,7 +201,7 @@ class Trainer:
         else:
             found = engine.find_batch_size(ctx.config.batch_size_find)
             ctx.state.progress.take_sizes(
-                engine.global_batch, engine.batches_per_epoch, engine.config.accumulate_grad_batches
+                engine.global_batch, engine.batches_per_epoch, engine.config.accumulation_at(0)
             )
             if report is not None:  # Lightning's BatchSizeFinder object is told, as Lightning's would be
                 report(found)
@@ -496,11 +497,13 @@ def _val_check_batches(cfg: TrainerConfig, batches_per_epoch: int, mid_accumulat
     if interval is None:
         return None
     every = interval if isinstance(interval, int) else max(1, int(batches_per_epoch * interval))
-    if every % cfg.accumulate_grad_batches and not mid_accumulation:
+    inside = [n for n in sorted(cfg.accumulations()) if every % n]
+    if inside and not mid_accumulation:
+        multiple = math.lcm(*cfg.accumulations())
         raise ConfigError(
             f"trainer.val_check_interval: {interval} gives a validation every {every} batches, inside a window of "
-            f"accumulate_grad_batches={cfg.accumulate_grad_batches}, where this strategy's gradients being "
-            f"accumulated would not survive a validation; give a multiple of {cfg.accumulate_grad_batches} batches"
+            f"accumulate_grad_batches={inside[-1]}, where this strategy's gradients being "
+            f"accumulated would not survive a validation; give a multiple of {multiple} batches"
         )
     return every
 

@@ -85,9 +85,9 @@ class KerasEngine(KerasEvaluation, Engine):
 
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
-        if cfg.accumulate_grad_batches != 1:
+        if cfg.accumulations() != {1}:
             raise ConfigError(
-                "trainer.accumulate_grad_batches: Keras modules train with 1 (gradient accumulation "
+                "trainer.accumulate_grad_batches: Keras modules train with 1 and no accumulation_schedule (gradient accumulation "
                 "is implemented for PyTorch modules only); raise batch_size instead"
             )
         if cfg.data_on_device is True:

@@ -101,18 +101,17 @@ class TorchEngine(TorchEvaluation, Engine):
         self._given_config = self.config  # before this fit's sizes are taken: a new batch size starts from it
         self._setup_data()
         cfg = self.config
-        self.accumulate = cfg.accumulate_grad_batches
+        self.accumulate = cfg.accumulation_at(0)  # the epoch's (train_batches sets it where it changes)
         manual = not getattr(self.module, "automatic_optimization", True)
         if manual:
             _check_manual(cfg, _name(self.module))
-        steps_per_epoch = math.ceil(self._batches / self.accumulate)
-        self.module.stepping_batches = self._fit_length(steps_per_epoch)  # known before configure_optimizers
+        self.module.stepping_batches = self._fit_length(self._steps_in)  # known before configure_optimizers
         cfg = self.config  # max_steps: with the epochs it spans
         hooks = self.module.step_hooks()
         self.optimizers, self.schedules = parse_optimizers(
             _configure_optimizers(self.module), _name(self.module), manual, "lr_scheduler_step" in hooks
         )
-        self.policy = LRPolicy.from_config(cfg, self.replicas, steps_per_epoch)
+        self.policy = LRPolicy.from_config(cfg, self.replicas, self._steps_in)
         for optimizer in self.optimizers:
             _scale_lrs(optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor)
         self._steps = 0
@@ -150,7 +149,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self._plain = (
             not self._seamed
             and type(self.precision) is Precision
-            and self.accumulate == 1
+            and cfg.accumulations() == {1}
             and cfg.gradient_clip_val is None
             and all(
                 getattr(type(training), hook) is getattr(TorchTraining, hook)
@@ -170,7 +169,7 @@ class TorchEngine(TorchEvaluation, Engine):
         shards = (1, 0) if presharded else (strategy.data_parallel_size, strategy.data_parallel_rank)
         self._stream = iterable.is_stream(train)
         # an endless stream trained by steps: one epoch of max_steps (Lightning's)
-        limit = cfg.limit_train_batches or (cfg.max_steps and cfg.max_steps * cfg.accumulate_grad_batches)
+        limit = cfg.limit_train_batches or (cfg.max_steps and cfg.max_steps * max(cfg.accumulations()))
         if self._stream:  # an IterableDataset: batches dealt to ranks and workers (iterable.py)
             self.train_loader = iterable.stream_loader(
                 train,
@@ -246,14 +245,17 @@ class TorchEngine(TorchEvaluation, Engine):
         self._setup_data()  # a DataLoader of the module's own brings its batch size: the finder checks it followed
         if self.config.batch_size == batch_size:
             self.config = self.config.adopting_batch_size(batch_size, source)
-        steps_per_epoch = math.ceil(self._batches / self.accumulate)
-        self.module.stepping_batches = self._fit_length(steps_per_epoch)
+        self.module.stepping_batches = self._fit_length(self._steps_in)
         was = self.policy.factor
-        self.policy = LRPolicy.from_config(self.config, self.replicas, steps_per_epoch)
+        self.policy = LRPolicy.from_config(self.config, self.replicas, self._steps_in)
         for optimizer in self.optimizers:  # lr_scaling by a base_batch_size: the lrs follow the new batch size
             _scale_lrs(
                 optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor / was
             )
+
+    def _steps_in(self, epoch: int) -> int:
+        """Optimizer steps in `epoch` (its accumulation's: trainer.accumulation_schedule may change it)."""
+        return math.ceil(self._batches / self.config.accumulation_at(epoch))
 
     def find_batch_size(self, settings: Any) -> Any:
         return batch_size_finder.find_batch_size(self, settings)
@@ -316,6 +318,7 @@ class TorchEngine(TorchEvaluation, Engine):
     # ---- training -----------------------------------------------------------------------
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         self._epoch = epoch  # the module's modes are its own, as in Lightning (validation gives them back)
+        self.accumulate = self.config.accumulation_at(epoch)
         if self._stream:  # a stream skips whole batches; a sampler skips sample indices
             self.train_loader.dataset.set_epoch(epoch, skip)
         elif isinstance(self.train_loader, combined.CombinedTrainLoader):
@@ -646,9 +649,9 @@ def _configure_optimizers(module: torch.nn.Module) -> Any:
 
 def _check_manual(cfg: Any, name: str) -> None:
     """What Lightning's Trainer refuses with manual optimization, refused alike (the module decides both)."""
-    if cfg.accumulate_grad_batches != 1:
+    if cfg.accumulations() != {1}:
         raise ConfigError(
-            f"trainer.accumulate_grad_batches: received {cfg.accumulate_grad_batches}, but {name} sets "
+            f"trainer.accumulate_grad_batches: received {cfg.accumulation_schedule or cfg.accumulate_grad_batches}, but {name} sets "
             "automatic_optimization = False: accumulate in training_step (step the optimizer every N batches) "
             "and set accumulate_grad_batches: 1"
         )

@@ -273,7 +273,8 @@ class TrainerView:
 
     @property
     def accumulate_grad_batches(self) -> int:
-        return self._config("accumulate_grad_batches") or 1
+        """The current epoch's (trainer.accumulation_schedule, Lightning's GradientAccumulationScheduler, changes it)."""
+        return self.ctx.config.accumulation_at(self.ctx.progress.epoch) if self.ctx is not None else 1
 
     @accumulate_grad_batches.setter
     def accumulate_grad_batches(self, value: int) -> None:
@@ -281,8 +282,9 @@ class TrainerView:
         any other change is refused: unifit sizes steps, warmup and checkpoints by one accumulation per fit."""
         if not self.fit_loop._skip_backward and value != self.accumulate_grad_batches:
             raise ConfigError(
-                f"trainer.accumulate_grad_batches = {value}: the accumulation is set once per fit "
-                f"(trainer.accumulate_grad_batches: {self.accumulate_grad_batches})"
+                f"trainer.accumulate_grad_batches = {value}: the accumulation is set before the fit "
+                f"(trainer.accumulate_grad_batches: {self.accumulate_grad_batches}, or trainer.accumulation_schedule "
+                "for one that changes by epoch)"
             )
 
     @property
