@@ -263,9 +263,9 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_model_parallel_two_hosts_splits_layers_inside_each_host(cluster, tmp_path):
-    """2 hosts x 2 ranks, 2 data-parallel x 2 tensor-parallel: each host's ranks split every layer of the small GPT
-    (the tensor-parallel collectives stay on a host's own link), the hosts hold the replicas (FSDP2 across); the
-    same weights as ddp on 2 ranks of one host."""
+    """2 hosts x 2 ranks, tensor_parallel auto: 2 data-parallel x 2 tensor-parallel: each host's ranks split every
+    layer of the small GPT (the tensor-parallel collectives stay on a host's own link), the hosts hold the replicas
+    (FSDP2 across); the same weights as ddp on 2 ranks of one host."""
     from tests.helpers import assert_ok, run_unifit
     from tests.probe.tiny_gpt import PLAN
     from tests.test_model_parallel import YAML
@@ -278,7 +278,7 @@ def test_model_parallel_two_hosts_splits_layers_inside_each_host(cluster, tmp_pa
         )
     )  # fmt: skip
     root = tmp_path / "tp"
-    options = json.dumps({"tensor_parallel": 2, "plan": PLAN})
+    options = json.dumps({"tensor_parallel": "auto", "plan": PLAN})  # a host's 2 ranks split each layer
     fit_args = ["-c", str(YAML), "--trainer.strategy", "model-parallel", "--trainer.strategy_options", options]
     fit_args += ["--trainer.root_dir", str(root), "--trainer.export_dir", str(root / "export")]
     out = run_job(cluster, root, torchrun_hosts(cluster, 2, "rdzv"), fit_args, "tp")

@@ -206,17 +206,12 @@ def _strategy_into(value: Any, out: dict[str, Any]) -> None:
     tensor, data = args.pop("tensor_parallel_size", "auto"), args.pop("data_parallel_size", "auto")
     backend = args.pop("process_group_backend", None)
     if args.pop("save_distributed_checkpoint", True) is not True:
-        raise ConfigError(
-            "ModelParallelStrategy save_distributed_checkpoint: false gathers every checkpoint on rank 0; unifit "
-            "writes them sharded (resumable on any layout) and the whole model with trainer.export_dir: remove it"
+        log.info(
+            "ModelParallelStrategy save_distributed_checkpoint: false: unifit's checkpoints stay sharded (resumable "
+            "on any layout, or in one process); the whole model is written at the end to trainer.export_dir"
         )
     if args:
         raise ConfigError(f"ModelParallelStrategy init_args {sorted(args)}: not mapped by unifit; remove them")
-    if tensor == "auto":
-        raise ConfigError(
-            "ModelParallelStrategy tensor_parallel_size: 'auto' (Lightning: every device of a node); give the number "
-            "of ranks that split each layer, e.g. tensor_parallel_size: 2"
-        )
     options: dict[str, Any] = {"tensor_parallel": tensor, "data_parallel": data}
     if backend is not None:
         options["backend"] = backend

@@ -36,10 +36,11 @@ class ModelParallelOptions(FSDPOptions):
     """trainer.strategy_options for model-parallel (and fsdp's, which shard over the data-parallel ranks)."""
 
     sharding: Literal["full"] = Field("full", description="the data-parallel ranks shard each replica fully (FSDP2)")
-    tensor_parallel: PositiveInt = Field(
+    tensor_parallel: Literal["auto"] | PositiveInt = Field(
         1,
         description="ranks that split each layer of one model replica (consecutive ranks: keep them inside a host); "
-        "must divide the world size; the other dimension is data parallel",
+        "must divide the world size; the other dimension is data parallel. auto: every rank of a node (Lightning's "
+        "ModelParallelStrategy default), so the nodes hold the replicas",
     )
     data_parallel: Literal["auto"] | PositiveInt = Field(
         "auto", description="the model replicas: world size / tensor_parallel (auto), or that number, checked"
@@ -73,7 +74,8 @@ class ModelParallelStrategy(FSDPStrategy):
 
     @property
     def tensor_parallel(self) -> int:
-        return self.options.tensor_parallel
+        wanted = self.options.tensor_parallel
+        return self.env.local_world_size if wanted == "auto" else wanted
 
     @property
     def data_parallel_size(self) -> int:
