@@ -71,6 +71,7 @@ class FSDPStrategy(DDPStrategy):
     _checkpoint_group: Any = None
     _views: _ViewOutputs | None = None
     _unfreezing: _UnfreezingGroups | None = None
+    _sharded: tuple[Any, list[Any]] | None = None  # the step module and its FSDP modules (accumulation)
 
     def setup(self) -> None:
         super().setup()
@@ -108,6 +109,7 @@ class FSDPStrategy(DDPStrategy):
         if self._checkpoint_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._checkpoint_group)
         self._checkpoint_group = None
+        self._sharded = None
         super().teardown()
 
     # ---- training -------------------------------------------------------------------------
@@ -241,7 +243,11 @@ class FSDPStrategy(DDPStrategy):
     def accumulating(self, wrapped: Any) -> ContextManager[Any]:
         if not self._group_ready():
             return contextlib.nullcontext()
-        return _without_gradient_sync(wrapped)
+        if self._sharded is None or self._sharded[0] is not wrapped:  # found once, not at every micro-batch
+            from torch.distributed.fsdp import FSDPModule
+
+            self._sharded = (wrapped, [m for m in wrapped.modules() if isinstance(m, FSDPModule)])
+        return _without_gradient_sync(self._sharded[1])
 
     def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
         """Clip by the norm of the whole gradient: each rank's shard norms combined over every rank, per mesh
@@ -543,12 +549,9 @@ def _holds_blocks(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
+def _without_gradient_sync(sharded: list[Any]) -> Iterator[None]:
     """An accumulation micro-batch: gradients stay unsharded locally, reduced with the last one. Every FSDP module
-    inside is told (the root where unifit sharded, or those a module's configure_model sharded itself)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = [m for m in wrapped.modules() if isinstance(m, FSDPModule)]
+    of the step is told (the root where unifit sharded, or those a module's configure_model sharded itself)."""
     for module in sharded:
         module.set_requires_gradient_sync(False, recurse=False)
     try:
