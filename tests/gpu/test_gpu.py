@@ -287,3 +287,48 @@ def test_tensor_parallel_on_two_ranks_sharing_one_gpu_matches_one_gpu(tmp_path, 
     for mine, theirs in zip(metrics_lines(tmp_path / "tp2"), metrics_lines(tmp_path / "one")):
         assert mine["samples_seen"] == 64.0
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-2 if precision == "bf16-mixed" else 1e-4)
+
+
+class _Wide(torch.nn.Module):
+    """Activations of 16 MB per sample (a 4M-wide hidden layer, kept for backward, with its gradient): a few
+    thousand samples fill any GPU, so the batch size finder meets a real CUDA out-of-memory error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 1 << 22), torch.nn.Linear(1 << 22, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+@pytest.mark.parametrize("mode", ["power", "binsearch"])
+def test_batch_size_finder_meets_a_real_out_of_memory_and_trains_at_what_fits(tmp_path, mode, caplog):
+    """trainer.batch_size_find on the GPU: trials double the batch until CUDA runs out of memory (a thousand or
+    two samples here), the memory of the failed trial is given back, and the fit trains at the size found."""
+    import logging
+
+    import unifit
+
+    class WideRegressor(unifit.TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Wide()
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def train_dataset(self):
+            g = torch.Generator().manual_seed(0)
+            return torch.utils.data.TensorDataset(torch.randn(8192, 8, generator=g), torch.randn(8192, 1, generator=g))
+
+    caplog.set_level(logging.INFO, logger="unifit")
+    module = WideRegressor()
+    options = dict(max_epochs=1, limit_train_batches=2, progress_bar=False, root_dir=str(tmp_path), lr_scaling="none")
+    state = unifit.Trainer(accelerator="gpu", batch_size_find={"mode": mode}, **options).fit(module)
+    assert "ran out of memory" in caplog.text, caplog.text[-2000:]
+    found = state.progress.global_batch
+    assert 256 <= found < 8192 and state.global_step == 2, found
+    assert torch.cuda.memory_allocated() < 2 * 1024**3  # the trials' activations are gone
