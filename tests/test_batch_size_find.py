@@ -27,14 +27,21 @@ class MemoryBound(Regressor):
     """Lightning's tuning example's shape: the DataLoaders read self.batch_size; a step over more than `limit`
     samples runs out of memory, as a GPU would."""
 
-    def __init__(self, limit: int = 50, n: int = 200, batch_size: int = 8) -> None:
+    def __init__(self, limit: int = 50, n: int = 200, batch_size: int = 8, late: bool = False) -> None:
         super().__init__(n=n)
-        self.limit, self.batch_size = limit, batch_size
+        self.limit, self.batch_size, self.late, self.size = limit, batch_size, late, 0
 
     def training_step(self, batch, batch_idx):
-        if len(batch[0]) > self.limit:
+        self.size = len(batch[0])
+        if self.size > self.limit and not self.late:
             raise RuntimeError(OOM)
         return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        """`late`: out of memory after backward, with the gradients unscaled (16-mixed), as an optimizer's state
+        being made at its first step can run out."""
+        if self.size > self.limit and self.late:
+            raise RuntimeError(OOM)
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
@@ -151,3 +158,30 @@ def test_where_the_finder_cannot_run_it_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="the training DataLoader kept batch size 8 when the finder set 2"):
         unifit.Trainer(**options).fit(module, train_dataloaders=loader)
     assert module.batch_size == 8 and len(module.calls) > 0  # put back; the module's hooks had run (setup...)
+
+
+@pytest.mark.timeout(180)
+def test_a_lightning_module_resumes_at_the_size_found_and_a_late_failure_leaves_no_scaler_state(tmp_path):
+    """16-mixed, running out of memory after the gradients were unscaled (the last trial fails there): the fit still
+    equals a fresh one at the size found (the loss scaler's state put back, no optimizer left unscaled). Resumed
+    after 2 of 3 epochs from a fresh module (batch_size 8 again), the run goes on at the size found, its DataLoaders
+    rebuilt from the module's attribute, and ends as the uninterrupted run."""
+    options = dict(checkpoint={"enabled": True}, precision="16-mixed", **QUIET)
+
+    def run(root, epochs, finder=True, ckpt_path=None, batch_size=8):
+        torch.manual_seed(0)
+        module = MemoryBound(batch_size=batch_size, late=True)
+        callbacks = [BatchSizeFinder()] if finder else []
+        trainer = unifit.Trainer(max_epochs=epochs, root_dir=str(root), callbacks=callbacks, **options)
+        return module, trainer.fit(module, ckpt_path=ckpt_path)
+
+    tuned, state = run(tmp_path / "tuned", 3)
+    assert tuned.batch_size == 32 and state.progress.global_batch == 32
+    fresh, _ = run(tmp_path / "fresh", 3, finder=False, batch_size=32)
+    for key, value in _weights(fresh).items():
+        assert torch.equal(tuned.state_dict()[key], value), key
+    run(tmp_path / "part", 2)
+    resumed, state = run(tmp_path / "part", 3, ckpt_path="last")
+    assert resumed.batch_size == 32 and state.progress.batches_per_epoch == 7
+    for key, value in _weights(tuned).items():
+        assert torch.equal(resumed.state_dict()[key], value), key

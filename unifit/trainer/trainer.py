@@ -159,6 +159,9 @@ class Trainer:
             run = self._run = _Run(Checkpointer(engine, strategy, cfg, callbacks), ctx)
             if ckpt_path or cfg.resume:
                 self._resume(run, ckpt_path or cfg.resume)
+                if engine.config is not cfg:  # the checkpoint's batch size (the batch size finder's) goes on
+                    cfg = ctx.config = engine.config
+                    ctx.resolved_config = self._resolved_config(given, cfg)
             if ctx.resumed_from is None:
                 engine.seed(cfg.seed + strategy.data_parallel_rank)  # per-replica randomness (dropout, augmentation)
                 self.state.progress.epoch = initial_epoch
@@ -205,8 +208,8 @@ class Trainer:
             )
             if report is not None:  # Lightning's BatchSizeFinder object is told, as Lightning's would be
                 report(found)
-        ctx.config = engine.config
-        ctx.resolved_config = self._resolved_config(given, ctx.config)
+            ctx.config = engine.config
+            ctx.resolved_config = self._resolved_config(given, ctx.config)
         return ctx.config
 
     @staticmethod

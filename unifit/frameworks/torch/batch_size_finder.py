@@ -22,12 +22,6 @@ from unifit.frameworks.torch import lr_finder
 log = logging.getLogger("unifit")
 
 SOURCE = "the batch size finder"
-# Lightning's is_oom_error: the messages of running out of device or host memory
-_OUT_OF_MEMORY = (
-    "CUDA out of memory",
-    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
-    "DefaultCPUAllocator: can't allocate",
-)
 
 
 def find_batch_size(engine: Any, settings: Any) -> int:
@@ -41,8 +35,9 @@ def find_batch_size(engine: Any, settings: Any) -> int:
         )
     set_size = _setter(engine, settings.batch_arg_name)
     saved = lr_finder._snapshot(engine)
+    planned = engine.module.stepping_batches
     stepped, policy = engine.stepped, engine.policy
-    engine.stepped, engine.policy = [], type(policy)(factor=policy.factor, warmup_steps=0)
+    engine.stepped = []
     search = _power if settings.mode == "power" else _binsearch
     start = engine.config.batch_size
     try:
@@ -53,8 +48,8 @@ def find_batch_size(engine: Any, settings: Any) -> int:
     finally:
         engine.stepped, engine.policy = stepped, policy
         lr_finder._restore(engine, saved)
-    planned = engine.module.stepping_batches
-    _resize(engine, set_size, size)
+    adopt(engine, size, settings.batch_arg_name, set_size)
+    engine.set_rng_state(saved["rng"])  # as before the trials, whatever making the loaders drew
     if engine.strategy.is_global_zero:
         log.info("batch size finder (%s): training at batch size %d", settings.mode, size)
         if engine.schedules and engine.module.stepping_batches != planned:
@@ -68,6 +63,13 @@ def find_batch_size(engine: Any, settings: Any) -> int:
                 size,
             )
     return size
+
+
+def adopt(engine: Any, size: int, attribute: str, set_size: Callable[[int], None] | None = None) -> None:
+    """Train at the size found (by this fit's search, or by the search of the run a checkpoint resumes): the module's
+    `attribute` set, the loaders made again; a checkpoint records both."""
+    _resize(engine, set_size or _setter(engine, attribute), size)
+    engine.found_batch_size = (size, attribute)
 
 
 def _power(engine: Any, set_size: Callable[[int], None], settings: Any) -> int:
@@ -131,6 +133,8 @@ def _grown(engine: Any, size: int, wanted: int, max_val: int) -> int:
 
 
 def _samples(engine: Any) -> int | None:
+    if engine._stream:  # a stream's loader counts batches, not samples (Lightning caps no iterable data either)
+        return None
     try:
         return len(engine.train_loader.dataset)
     except TypeError:  # a stream without a length
@@ -141,6 +145,7 @@ def _trial(engine: Any, steps: int) -> bool:
     """`steps` optimizer steps and as many validation batches at the current size: False where memory ran out."""
     import torch
 
+    engine.policy = type(engine.policy)(factor=engine.policy.factor, warmup_steps=0)  # no warmup in a trial
     try:
         taken, epoch = 0, 0
         while taken < steps:
@@ -153,23 +158,35 @@ def _trial(engine: Any, steps: int) -> bool:
             epoch += 1
         if engine.has_validation:
             with engine.validating():
-                for done, (batch, _) in enumerate(zip(engine.val_batches(), range(steps))):
+                for done, batch in zip(range(steps), engine.val_batches()):
                     engine.validation_step(batch, done)
         return True
     except RuntimeError as exc:
-        if not any(marker in str(exc) for marker in _OUT_OF_MEMORY):
+        if not _out_of_memory(exc):
             raise
-        if engine.strategy.is_global_zero:
-            log.info("batch size finder: batch size %d ran out of memory", engine.config.batch_size)
-        for optimizer in engine.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        engine._mid_window = False
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return False
     finally:
         engine.collector.reset()
+    # out of memory; here, past the except block, the failed step's tensors (its traceback's) are released
+    if engine.strategy.is_global_zero:
+        log.info("batch size finder: batch size %d ran out of memory", engine.config.batch_size)
+    for optimizer in engine.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    engine.precision.forget_step()
+    engine._mid_window = False
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return False
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """Lightning's is_oom_error: CUDA's out of memory, cuDNN's failure for it, the host allocator's."""
+    message = str(exc.args[0]) if len(exc.args) == 1 else ""
+    return (
+        ("CUDA" in message and "out of memory" in message)
+        or "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED" in message
+        or "DefaultCPUAllocator: can't allocate memory" in message
+    )
 
 
 def _setter(engine: Any, name: str) -> Callable[[int], None]:

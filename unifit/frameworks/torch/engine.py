@@ -33,7 +33,6 @@ log = logging.getLogger("unifit")
 
 # param-group keys and scheduler attributes that hold learning rates, scaled together
 _LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
-FOUND = batch_size_finder.SOURCE
 _LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "base_values")  # base_values: timm's schedulers
 
 
@@ -99,6 +98,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self._mid_window = False  # the last micro-batch did not step: gradients are being accumulated
 
         self._given_config = self.config  # before this fit's sizes are taken: a new batch size starts from it
+        self.found_batch_size: tuple[int, str] | None = None  # (size, module attribute): the batch size finder's
         self._setup_data()
         cfg = self.config
         self.accumulate = cfg.accumulation_at(0)  # the epoch's (train_batches sets it where it changes)
@@ -122,8 +122,8 @@ class TorchEngine(TorchEvaluation, Engine):
                 step_module, self.optimizers, self.device, self.precision
             )
         else:
-            self.wrapped, optimizer = training.setup_module_and_optimizer(
-                step_module, self.optimizers[0], self.device, self.precision, self.accumulate
+            self.wrapped, optimizer = training.setup_module_and_optimizer(  # the longest accumulation window
+                step_module, self.optimizers[0], self.device, self.precision, max(cfg.accumulations())
             )
             if optimizer is not self.optimizers[0]:
                 for spec in self.schedules:  # same param groups; the schedulers follow the wrapper
@@ -507,14 +507,16 @@ class TorchEngine(TorchEvaluation, Engine):
             "scheduled_epoch": self._scheduled_epoch,  # a checkpoint in an epoch's last batch: its schedule stepped
             "precision": self.precision.state_dict(),
             "lr_factor": self.policy.factor,  # the world size's lr scaling the saved lrs include
-            **({"found_batch_size": self.config.batch_size} if self.config.batch_size_from == FOUND else {}),
+            **({"found_batch_size": list(self.found_batch_size)} if self.found_batch_size else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        found = state.get("found_batch_size")
-        if found is not None and found != self.config.batch_size:  # the batch size finder's run goes on at its size
-            self.resize(int(found), FOUND)
-            log.info("resume: batch size %d, as the batch size finder found it for this run", found)
+        if state.get(
+            "found_batch_size"
+        ):  # the batch size finder's run goes on at its size (the module's attribute too)
+            size, attribute = state["found_batch_size"]
+            batch_size_finder.adopt(self, int(size), str(attribute))
+            log.info("resume: batch size %d, as the batch size finder found it for this run", int(size))
         pruning.prune_like(self.module.state_module, state.get("model", {}))  # a pruned model's masks, resumed
         self._restore_param_groups(state.get("param_groups", []))
         self.training.load_training_state(

@@ -120,9 +120,14 @@ class TorchEvaluation:
         """In-memory data onto the GPU where trainer.data_on_device says so (input_path.place_on_device); each
         loader of a combination on its own."""
         cfg = self.config
-        for each in getattr(loader, "loaders", [loader]):
+        if not hasattr(self, "_placed"):
+            self._placed: dict[tuple[str, int], bool] = {}
+        decided = self._placed  # loaders made again (at a new batch size) are placed as the first ones were
+        for i, each in enumerate(getattr(loader, "loaders", [loader])):
             dataset = getattr(each, "dataset", None)
-            if input_path.place_on_device(dataset, self.device, cfg.data_on_device, cfg.num_workers, what):
+            setting = decided.get((what, i), cfg.data_on_device)
+            decided[(what, i)] = input_path.place_on_device(dataset, self.device, setting, cfg.num_workers, what)
+            if decided[(what, i)]:
                 each.pin_memory = False  # its batches are on the device already
 
     def eval_indices(self, loader: int = 0) -> Sequence[int]:

@@ -138,6 +138,7 @@ def _snapshot(engine: Any) -> dict[str, Any]:
             "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
             "schedulers": [spec.scheduler.state_dict() for spec in engine.schedules],
             "counters": (engine._steps, engine._scheduled_epoch, engine._mid_window),
+            "precision": engine.precision.state_dict(),  # a loss scaler's scale
             "rng": engine.rng_state(),
         }
     )
@@ -163,6 +164,8 @@ def _restore(engine: Any, saved: dict[str, Any]) -> None:
     for spec, state in zip(engine.schedules, saved["schedulers"]):
         spec.scheduler.load_state_dict(state)
     engine._steps, engine._scheduled_epoch, engine._mid_window = saved["counters"]
+    engine.precision.forget_step()
+    engine.precision.load_state_dict(saved["precision"])
     engine.set_rng_state(saved["rng"])
     engine.collector.reset()  # the sweep's losses and logged values are not the first epoch's
 

@@ -41,6 +41,9 @@ class Precision:
     def step(self, optimizer: Any) -> None:
         optimizer.step()
 
+    def forget_step(self) -> None:
+        """A step that failed midway: nothing kept between steps in full precision."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -78,6 +81,15 @@ class MixedPrecision(Precision):
         self.scaler.step(optimizer)  # skipped when the unscaled gradients hold inf/NaN
         self.scaler.update()
         self._unscaled.discard(id(optimizer))
+
+    def forget_step(self) -> None:
+        """A step that failed midway (out of memory in the batch size finder's trial): no optimizer stays half
+        unscaled (the scale itself is restored with the rest)."""
+        self._unscaled.clear()
+        if self.scaler is not None:
+            state = self.scaler.state_dict()
+            self.scaler = torch.amp.GradScaler(self.device_type)
+            self.scaler.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -34,7 +34,8 @@ class TorchHorovod(TorchTraining, Binding):
 
     def wrap_optimizer(self, optimizer: Any, model: torch.nn.Module, accumulate: int) -> Any:
         """Every rank starts from rank 0's parameters and buffers; step() averages the gradients,
-        every `accumulate` backward passes (Horovod's own accumulation)."""
+        every `accumulate` backward passes (Horovod's own accumulation: the longest window of an accumulation
+        schedule; a shorter one is averaged at the step, where Horovod's synchronize() reduces what is left)."""
         hvd = self.strategy.hvd
         if self.strategy.world_size == 1:
             return optimizer
