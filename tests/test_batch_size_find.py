@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import unifit
 from tests.helpers import lightning_trainer
 from tests.probe.lightning_probe import Regressor
+from tests.zoo.own_step_models import GAN, GANData
 from unifit.errors import ConfigError
 from unifit.frameworks.torch import batch_size_finder
 
@@ -185,3 +186,24 @@ def test_a_lightning_module_resumes_at_the_size_found_and_a_late_failure_leaves_
     assert resumed.batch_size == 32 and state.progress.batches_per_epoch == 7
     for key, value in _weights(tuned).items():
         assert torch.equal(resumed.state_dict()[key], value), key
+
+
+@pytest.mark.timeout(180)
+def test_a_gan_stepping_its_optimizers_itself_is_tuned_and_then_trains_as_a_fresh_fit(tmp_path):
+    """The zoo's GAN (manual optimization, two optimizers, the discriminator accumulating by hand) with its data
+    module's batch_size: nothing runs out of memory, so the trials grow it to the 96 samples; each optimizer's own
+    warmup count is put back with the rest, so the fit equals a fresh one at batch size 96."""
+    options = dict(max_epochs=2, warmup_epochs=1, lr_scaling="linear", base_batch_size=8, checkpoint={"enabled": False})
+    options |= {k: v for k, v in QUIET.items() if k != "lr_scaling"}
+
+    def run(root, batch_size, finder):
+        torch.manual_seed(0)
+        module, data = GAN(), GANData(batch_size)
+        callbacks = [BatchSizeFinder(init_val=4)] if finder else []
+        unifit.Trainer(root_dir=str(root), callbacks=callbacks, **options).fit(module, datamodule=data)
+        return module, data
+
+    (tuned, data), (fresh, _) = run(tmp_path / "tuned", 8, True), run(tmp_path / "fresh", 96, False)
+    assert data.batch_size == 96
+    for key, value in _weights(fresh).items():
+        assert torch.equal(tuned.state_dict()[key], value), key

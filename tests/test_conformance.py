@@ -1,16 +1,17 @@
 """The strategy conformance suite: every strategy, started by its own launcher, must pass it.
 
-Later strategies join by adding their row to helpers.STRATEGIES.
+Later strategies join by adding their row to helpers.STRATEGIES. Exact resume per strategy is proved from a harder
+point in tests/test_long_jobs.py (preempted mid-epoch, the same curve and bit-identical weights as this suite's
+shared run); resuming a finished run with more epochs, in tests/test_precision.py, test_fsdp.py and the Keras tests.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import StrategyCase, assert_ok, launch_probe, metrics_lines, reports, strategy_params
+from tests.helpers import StrategyCase, metrics_lines, reports, strategy_params
 
 N_TRAIN, N_VAL = 64, 37
 
@@ -94,20 +95,3 @@ def test_tensorboard_holds_epoch_and_step_scalars(trained):
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == [line["step"] for line in lines]
     assert [e.value for e in loss] == pytest.approx([line["train/loss"] for line in lines], rel=1e-6)
-
-
-@pytest.mark.timeout(400)
-def test_resume_continues_the_same_loss_curve(trained, tmp_path):
-    """2 epochs, then resumed to 3: the same curve and weights as the shared uninterrupted 3-epoch run."""
-    case, full = trained
-    part = tmp_path / "part"
-    assert_ok(launch_probe(case, part, "--trainer.max_epochs", "2"))
-    resumed = launch_probe(case, part, "--trainer.max_epochs", "3", ckpt="last")
-    assert_ok(resumed)
-    assert "resumed from" in resumed.stderr, resumed.stderr
-    a, b = metrics_lines(full), metrics_lines(part)
-    assert [line["epoch"] for line in b] == [1, 2, 3]
-    for key in ("train/loss", "val/loss", "lr"):
-        assert [line[key] for line in b] == pytest.approx([line[key] for line in a], rel=1e-9), key
-    assert reports(full)[0]["weights_sha256"] == reports(part)[0]["weights_sha256"]
-    assert json.loads((part / "checkpoints" / "last.json").read_text())["epoch"] == 3

@@ -216,6 +216,10 @@ def test_endless_pipelines_with_steps_per_epoch_and_validation_steps_read_on_as_
     )
     for a, b in zip(resumed.get_weights(), ours.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    evaluated = unifit.Trainer(limit_val_batches=3, root_dir=str(tmp_path / "whole"), **QUIET).validate(
+        ours, data={"train": endless(), "val": endless_val()}
+    )  # model.evaluate(..., steps=3)
+    assert evaluated["val/loss"] == pytest.approx(theirs.evaluate(endless_val(), steps=3, verbose=0)[0], rel=1e-5)
 
 
 class _TorchModule(unifit.TrainModule):

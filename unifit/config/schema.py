@@ -346,7 +346,8 @@ class TrainerConfig(_Strict):
         None, description="Use at most this many training batches per epoch (for quick runs)."
     )
     limit_val_batches: NonNegativeInt | None = Field(
-        None, description="Use at most this many validation batches (0 turns validation off)."
+        None,
+        description="Use at most this many validation batches (0 turns validation off); model.fit's validation_steps (an endless Keras validation pipeline needs it).",
     )
     validate_every_n_epochs: PositiveInt = Field(1, description="Run validation after every N-th epoch (and the last).")
     val_check_interval: PositiveInt | Annotated[float, Field(gt=0, le=1)] | None = Field(

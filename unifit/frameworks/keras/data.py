@@ -156,7 +156,8 @@ def check_dataset(data: Any, what: str, endless_ok: bool = False) -> None:
     if int(data.cardinality()) == tf.data.INFINITE_CARDINALITY and not endless_ok:
         raise ConfigError(
             f"{what}: the tf.data.Dataset is endless (repeat() without a count); remove .repeat(): "
-            "unifit evaluates the whole dataset each time"
+            "unifit evaluates the whole dataset each time (a validation reads N batches of an endless one with "
+            "trainer.limit_val_batches: N)"
         )
 
 

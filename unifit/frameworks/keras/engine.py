@@ -159,8 +159,7 @@ class KerasEngine(KerasEvaluation, Engine):
                     "remove .repeat()"
                 )
             else:  # as model.fit with validation_steps: each validation reads the stream's first N batches anew
-                steps = cfg.limit_val_batches
-                self._val_sizes = step_sizes(steps * self.local_batch, steps, self.local_batch, self.local_replicas)
+                self._val_sizes = self._val_plan(cfg.limit_val_batches * self.local_batch)
         elif val is not None and cfg.limit_val_batches != 0:
             self.val_arrays = _arrays(val, "val_dataset()")
             n_val = len(self.val_arrays[0])

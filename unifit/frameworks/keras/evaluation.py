@@ -41,14 +41,20 @@ class KerasEvaluation:
     def setup_evaluation(self, stage: str) -> None:
         cfg, strategy = self.config, self.strategy
         self.precision = make_precision(cfg.precision)
-        self._set_up_replicas()
         source, step, prefix = _STAGES[stage]
         self._prefix = prefix
         data, presharded = self._stage_data(stage, source)
+        batched_by = unbatched(data)[1] if isinstance(data, tf.data.Dataset) else None
+        if batched_by is not None and not cfg.batch_size_given:  # the pipeline's batch size, as fit takes it
+            cfg = self.config = cfg.adopting_batch_size(batched_by, "the tf.data pipeline's .batch()")
+        self._set_up_replicas()
         self.eval_lazy = None
+        limit = cfg.limit_val_batches if stage == "validate" else None
         if stage != "predict" and isinstance(data, tf.data.Dataset):  # validate/test: read lazily, as in fit
-            self.eval_lazy = self._lazy(data, f"{source}()", presharded)
-            self._eval_sizes = self._val_plan(self.eval_lazy.count)
+            # an endless pipeline with limit_val_batches: model.evaluate(..., steps=N)'s first N batches
+            self.eval_lazy = self._lazy(data, f"{source}()", presharded, endless_ok=bool(limit))
+            count = limit * self.local_batch if self.eval_lazy.endless else self.eval_lazy.count
+            self._eval_sizes = self._val_plan(count)
             x_shape = self.eval_lazy.x_shape
         else:
             self.eval_arrays = _inputs(data, f"{source}()") if stage == "predict" else arrays(data, f"{source}()")
@@ -56,8 +62,8 @@ class KerasEvaluation:
             self._eval_indices = np.arange(rank, len(self.eval_arrays[0]), world)
             self._eval_sizes = self._val_plan(len(self._eval_indices))
             x_shape = self.eval_arrays[0].shape[1:]
-        if stage == "validate" and cfg.limit_val_batches is not None:
-            self._eval_sizes = self._eval_sizes[: cfg.limit_val_batches]
+        if limit is not None:
+            self._eval_sizes = self._eval_sizes[:limit]
         with strategy.collective_guard("creating the model"), self.dist.scope(), self.precision.building():
             self.module.model = model = self.precision.prepare_model(self.module.build_model())
             if x_shape is not None:

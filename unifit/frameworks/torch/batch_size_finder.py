@@ -118,8 +118,7 @@ def _binsearch(engine: Any, set_size: Callable[[int], None], settings: Any) -> i
             size = _resize(engine, set_size, (high + low) // 2)
             if high - low <= 1:
                 break
-    reduced = max(1, int(size * (1 - settings.margin)))
-    return _resize(engine, set_size, reduced) if reduced != size else size
+    return max(1, int(size * (1 - settings.margin)))  # the fit's loaders are made at it (adopt)
 
 
 def _grown(engine: Any, size: int, wanted: int, max_val: int) -> int:

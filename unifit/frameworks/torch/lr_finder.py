@@ -138,6 +138,7 @@ def _snapshot(engine: Any) -> dict[str, Any]:
             "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
             "schedulers": [spec.scheduler.state_dict() for spec in engine.schedules],
             "counters": (engine._steps, engine._scheduled_epoch, engine._mid_window),
+            "steps_taken": list(engine.seams.steps_taken),  # manual optimization: each optimizer's own (its warmup)
             "precision": engine.precision.state_dict(),  # a loss scaler's scale
             "rng": engine.rng_state(),
         }
@@ -164,6 +165,7 @@ def _restore(engine: Any, saved: dict[str, Any]) -> None:
     for spec, state in zip(engine.schedules, saved["schedulers"]):
         spec.scheduler.load_state_dict(state)
     engine._steps, engine._scheduled_epoch, engine._mid_window = saved["counters"]
+    engine.seams.steps_taken = list(saved["steps_taken"])
     engine.precision.forget_step()
     engine.precision.load_state_dict(saved["precision"])
     engine.set_rng_state(saved["rng"])
