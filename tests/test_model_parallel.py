@@ -156,6 +156,7 @@ def _refused(result, *needles: str) -> None:
         ({"tensor_parallel": 2}, ["tensor_parallel: 2 does not divide the world size 1"]),
         ({"data_parallel": 2}, ["data_parallel: 2 x tensor_parallel 1 is not the world size 1"]),
         ({"pipeline_parallel": 2}, ["pipeline_parallel", "not built yet"]),
+        ({"tensor_parallel": 2, "share_gpus": True}, ["share_gpus with tensor_parallel 2", "one GPU per rank"]),
     ],
 )
 def test_bad_layouts_and_plans_are_one_line_before_any_step(cli, tmp_path, options, needles):

@@ -264,10 +264,13 @@ def test_two_ranks_sharing_one_gpu_agree_and_resume(tmp_path, strategy):
     assert losses[1] == pytest.approx(losses[0], rel=1e-3, abs=1e-4)
 
 
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs (tensor parallel cannot share one GPU: see share_gpus)")
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_tensor_parallel_on_two_ranks_sharing_one_gpu_matches_one_gpu(tmp_path, precision):
-    """model-parallel's CUDA path on a one-GPU machine: TP2 (the plan of tests/probe/tiny_gpt.py) on 2 ranks on
-    cuda:0 over gloo against one process on the GPU, same global batch; the export gathers through host memory."""
+def test_tensor_parallel_on_two_gpus_matches_one_gpu(tmp_path, precision):
+    """model-parallel's CUDA path: TP2 (the plan of tests/probe/tiny_gpt.py) on 2 GPUs over nccl against one
+    process on one GPU, same global batch. Two ranks sharing one GPU (gloo) cannot run it: DTensor's collectives
+    over gloo on CUDA tensors segfault (H100, torch 2.11; tests/probe/gloo_cuda_collectives.py), so unifit
+    refuses share_gpus with tensor_parallel."""
     from tests.probe.tiny_gpt import PLAN
     from tests.test_model_parallel import YAML
 
@@ -278,7 +281,7 @@ def test_tensor_parallel_on_two_ranks_sharing_one_gpu_matches_one_gpu(tmp_path, 
         )
 
     run(tmp_path / "one", "fit")
-    options = json.dumps({"tensor_parallel": 2, "plan": PLAN, "share_gpus": True})
+    options = json.dumps({"tensor_parallel": 2, "plan": PLAN})
     run(tmp_path / "tp2", "launch", "--nproc-per-node", "2", "--trainer.strategy", "model-parallel",
         "--trainer.strategy_options", options)  # fmt: skip
     weights = [torch.load(tmp_path / r / "export" / "model.pt", weights_only=True) for r in ("one", "tp2")]
@@ -302,7 +305,7 @@ class _Wide(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["power", "binsearch"])
-def test_batch_size_finder_meets_a_real_out_of_memory_and_trains_at_what_fits(tmp_path, mode, caplog):
+def test_batch_size_finder_meets_a_real_out_of_memory_and_trains_at_what_fits(tmp_path, mode, caplog, request):
     """trainer.batch_size_find on the GPU: trials double the batch until CUDA runs out of memory (a thousand or
     two samples here), the memory of the failed trial is given back, and the fit trains at the size found."""
     import logging
@@ -325,6 +328,11 @@ def test_batch_size_finder_meets_a_real_out_of_memory_and_trains_at_what_fits(tm
             return torch.utils.data.TensorDataset(torch.randn(8192, 8, generator=g), torch.randn(8192, 1, generator=g))
 
     caplog.set_level(logging.INFO, logger="unifit")
+    # at most 16 GiB of the GPU for this process: the tests beside it (pytest -n 8) keep the rest
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, 16 * 1024**3 / torch.cuda.get_device_properties(0).total_memory)
+    )
+    request.addfinalizer(lambda: torch.cuda.set_per_process_memory_fraction(1.0))
     module = WideRegressor()
     options = dict(max_epochs=1, limit_train_batches=2, progress_bar=False, root_dir=str(tmp_path), lr_scaling="none")
     state = unifit.Trainer(accelerator="gpu", batch_size_find={"mode": mode}, **options).fit(module)

@@ -20,7 +20,7 @@ import fnmatch
 import logging
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from unifit.errors import ConfigError
 from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
@@ -54,6 +54,16 @@ class ModelParallelOptions(FSDPOptions):
         "splits its vocabulary) or colwise_gather (output features split, then gathered: an output head). "
         "Only Linear and Embedding layers split; reshape attention heads with -1, not a fixed head count",
     )
+
+    @model_validator(mode="after")
+    def _no_tensor_parallel_on_shared_gpus(self) -> ModelParallelOptions:
+        if self.share_gpus and self.tensor_parallel != 1:
+            raise ValueError(
+                f"share_gpus with tensor_parallel {self.tensor_parallel}: torch's DTensor collectives over gloo on "
+                "CUDA tensors end in a segfault (pytorch#152645; seen with torch 2.11 on an H100), so tensor "
+                "parallelism needs one GPU per rank (nccl); share_gpus runs fsdp, ddp and smddp-like"
+            )
+        return self
 
     @field_validator("pipeline_parallel")
     @classmethod
