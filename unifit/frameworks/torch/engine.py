@@ -111,9 +111,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self.optimizers, self.schedules = parse_optimizers(
             _configure_optimizers(self.module), _name(self.module), manual, "lr_scheduler_step" in hooks
         )
-        self.policy = LRPolicy.from_config(cfg, self.replicas, self._steps_in)
-        for optimizer in self.optimizers:
-            _scale_lrs(optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor)
+        self._apply_lr_policy(scaled_by=1.0)
         self._steps = 0
         training = self.training
         step_module = _StepModule(self.module)
@@ -246,12 +244,15 @@ class TorchEngine(TorchEvaluation, Engine):
         if self.config.batch_size == batch_size:
             self.config = self.config.adopting_batch_size(batch_size, source)
         self.module.stepping_batches = self._fit_length(self._steps_in)
-        was = self.policy.factor
+        self._apply_lr_policy(scaled_by=self.policy.factor)  # lr_scaling by a base_batch_size: lrs follow the size
+
+    def _apply_lr_policy(self, scaled_by: float) -> None:
+        """The lr policy of the fit's config and length; the optimizers' lrs (and their schedules' bases), now
+        scaled by `scaled_by`, rescaled to its factor."""
         self.policy = LRPolicy.from_config(self.config, self.replicas, self._steps_in)
-        for optimizer in self.optimizers:  # lr_scaling by a base_batch_size: the lrs follow the new batch size
-            _scale_lrs(
-                optimizer, [s.scheduler for s in self.schedules if _schedules(s, optimizer)], self.policy.factor / was
-            )
+        for optimizer in self.optimizers:
+            schedules = [s.scheduler for s in self.schedules if _schedules(s, optimizer)]
+            _scale_lrs(optimizer, schedules, self.policy.factor / scaled_by)
 
     def _steps_in(self, epoch: int) -> int:
         """Optimizer steps in `epoch` (its accumulation's: trainer.accumulation_schedule may change it)."""
