@@ -121,19 +121,31 @@ def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(
 
 
 @pytest.mark.timeout(400)
-def test_tensor_parallel_over_every_rank_matches_one_process_in_bf16_mixed(tmp_path):
-    """TP4: no data parallelism (no FSDP; the norms' weights are plain tensors on every rank beside the split
-    ones, so clipping combines a mesh's norm with a plain one); one process trains the same global batch."""
-    bf16 = ("--trainer.precision", "bf16-mixed", "--trainer.batch_size", "16")
+def test_a_transformers_model_split_by_its_own_plan_over_every_rank_matches_one_process_in_bf16_mixed(tmp_path):
+    """A Hugging Face Llama (transformers' code, tied embeddings) in a tutorial-style LightningModule, `plan: auto`:
+    its own `_tp_plan` over 4 ranks (no data parallelism, so no FSDP; the norms' weights are plain tensors on every
+    rank beside the split ones, and clipping combines a mesh's norm with a plain one); one process trains the
+    same global batch. The tied head and embedding stay one weight."""
+    llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama", "--trainer.precision", "bf16-mixed")
     one = tmp_path / "one"
-    _run(one, "single", 1, *bf16)
+    _run(one, "single", 1, *llama)
     tp4 = tmp_path / "tp4"
-    _run(tp4, "model-parallel", 4, *bf16, options={"tensor_parallel": 4, "plan": PLAN})
+    out = _run(tp4, "model-parallel", 4, *llama, options={"tensor_parallel": 4, "plan": "auto"})
+    assert "16 layer(s) split over 4 ranks (10 colwise, 1 colwise_gather, 5 rowwise)" in out.stderr, out.stderr
+    weights = {name: _weights(root) for name, root in (("one", one), ("tp4", tp4))}
+    assert torch.equal(weights["tp4"]["model.lm_head.weight"], weights["tp4"]["model.model.embed_tokens.weight"])
     # bf16 rounds differently when a matmul is split: close, not equal (float32 agrees to 3e-6, see above)
-    assert _max_diff(_weights(tp4), _weights(one)) < 2e-2
-    for mine, theirs in zip(metrics_lines(tp4), metrics_lines(one)):
+    assert _max_diff(weights["tp4"], weights["one"]) < 2e-2
+    assert _max_diff(weights["one"], _initial_llama()) > 0.05  # it trained
+    for mine, theirs in zip(metrics_lines(tp4), metrics_lines(one), strict=True):
         assert mine["samples_seen"] == 64.0
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-2)
+
+
+def _initial_llama() -> dict[str, torch.Tensor]:
+    from tests.probe.tiny_gpt import TransformersLlama
+
+    return {f"model.{k}": v for k, v in TransformersLlama().model.state_dict().items()}
 
 
 def _refused(result, *needles: str) -> None:
@@ -157,11 +169,32 @@ def _refused(result, *needles: str) -> None:
         ({"data_parallel": 2}, ["data_parallel: 2 x tensor_parallel 1 is not the world size 1"]),
         ({"pipeline_parallel": 2}, ["pipeline_parallel", "not built yet"]),
         ({"tensor_parallel": 2, "share_gpus": True}, ["share_gpus with tensor_parallel 2", "one GPU per rank"]),
+        ({"plan": "auto"}, ["plan: auto, but nothing in TinyGPT carries a tensor-parallel plan", "_tp_plan"]),
     ],
 )
 def test_bad_layouts_and_plans_are_one_line_before_any_step(cli, tmp_path, options, needles):
     _refused(cli("fit", *_layout(tmp_path, options)), *needles)
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("plan", "needles"),
+    [
+        (
+            {"model.lm_head": "colwise_gather"},
+            ["model.lm_head and model.model.embed_tokens share one weight", "not split"],
+        ),
+        (
+            {"model.lm_head": "colwise", "model.model.embed_tokens": "colwise"},
+            ["splits differently (model.lm_head colwise, model.model.embed_tokens colwise)"],
+        ),
+    ],
+)
+def test_a_plan_that_would_untie_a_tied_weight_is_one_line(cli, tmp_path, plan, needles):
+    """Tied embeddings split alike (the vocabulary's rows) stay one weight; split one way and not the other, the
+    two layers would train two copies: refused."""
+    llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama")
+    _refused(cli("fit", *_layout(tmp_path, {"plan": plan}), *llama), *needles)
 
 
 def _layout(root: Path, options: dict) -> list[str]:

@@ -192,3 +192,46 @@ class LightningWhole(LightningTP):
 
     def configure_model(self):
         pass
+
+
+class TransformersLlama(L.LightningModule):
+    """A Hugging Face transformers Llama (its code unchanged, a tiny configuration, embeddings tied to the head) in a
+    LightningModule as the HF/Lightning tutorials write one; `plan: auto` splits it by the model's own `_tp_plan`."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=dim,
+            intermediate_size=2 * dim,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=seq + 1,
+            tie_word_embeddings=True,
+        )
+        self.model = LlamaForCausalLM(config)
+        self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
+
+    def training_step(self, batch, batch_idx):
+        (seqs,) = batch
+        self.log("samples_seen", float(len(seqs)), reduce_fx="sum")
+        loss = self.model(input_ids=seqs, labels=seqs).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (seqs,) = batch
+        self.log("val_loss", self.model(input_ids=seqs, labels=seqs).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tokens(self.n_train, self.seq, self.vocab, seed=1), batch_size=8)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(tokens(self.n_val, self.seq, self.vocab, seed=2), batch_size=8)

@@ -46,9 +46,11 @@ class ModelParallelOptions(FSDPOptions):
         "auto", description="the model replicas: world size / tensor_parallel (auto), or that number, checked"
     )
     pipeline_parallel: PositiveInt = Field(1, description="1: pipeline stages are not built yet")
-    plan: dict[str, Style] | None = Field(
+    plan: dict[str, Style] | Literal["auto"] | None = Field(
         None,
-        description="the split, where the module's configure_model() does not make it: module name (as in "
+        description="the split, where the module's configure_model() does not make it. auto: the model's own plan "
+        "(a Hugging Face transformers model's tensor-parallel plan, `_tp_plan`, as transformers applies it). Or "
+        "module name (as in "
         "named_modules(); * matches one name part, e.g. model.blocks.*.attn.q) -> colwise (output features "
         "split: feed a rowwise), rowwise (input features split, output summed: after a colwise; an Embedding "
         "splits its vocabulary) or colwise_gather (output features split, then gathered: an output head). "
@@ -187,9 +189,15 @@ class ModelParallelStrategy(FSDPStrategy):
         for tensor in model.state_dict().values():
             dist.broadcast(tensor.data, src=0)
         tp_mesh = self.device_mesh["tensor_parallel"]
+        tied = [users for users in _tied(model).values() if any(name in plan for name, _ in users)]
         for name, style in plan.items():
             layer = model.get_submodule(name)
             parallelize_module(layer, tp_mesh, _style(style, layer))
+        for users in tied:  # each layer got its own split copy: hold the first one's again (_check_tie checked)
+            (first, attribute), *others = users
+            weight = getattr(model.get_submodule(first), attribute)
+            for name, other in others:
+                model.get_submodule(name).register_parameter(other, weight)
         if self.is_global_zero:
             counts = {s: sum(1 for v in plan.values() if v == s) for s in sorted(set(plan.values()))}
             log.info(
@@ -200,13 +208,48 @@ class ModelParallelStrategy(FSDPStrategy):
             )
 
 
-def _resolved_plan(model: Any, plan: dict[str, Style] | None) -> dict[str, Style]:
+# transformers' tensor-parallel styles (its `_tp_plan`) that are unifit's: the same splits of the same layers
+TRANSFORMERS_STYLES: dict[str, Style] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "embedding_rowwise": "rowwise",
+}
+
+
+def _models_own_plan(model: Any) -> dict[str, Style]:
+    """plan: auto: the tensor-parallel plan of the outermost Hugging Face transformers model inside `model`
+    (`_tp_plan`: its patterns under its own name), in unifit's styles; refused in one line where there is none or
+    it uses a style unifit does not apply."""
+    for prefix, module in model.named_modules():
+        own = getattr(module, "_tp_plan", None)
+        if isinstance(own, dict) and own:
+            plan: dict[str, Style] = {}
+            for pattern, style in own.items():
+                if style not in TRANSFORMERS_STYLES:
+                    raise ConfigError(
+                        f"trainer.strategy_options.plan: auto: {type(module).__name__}'s tensor-parallel plan splits "
+                        f"{pattern} as {style!r}, which unifit does not apply (it takes {', '.join(TRANSFORMERS_STYLES)}"
+                        "); write the plan in the YAML (colwise / rowwise / colwise_gather per layer name)"
+                    )
+                plan[f"{prefix}.{pattern}" if prefix else pattern] = TRANSFORMERS_STYLES[style]
+            return plan
+    raise ConfigError(
+        f"trainer.strategy_options.plan: auto, but nothing in {type(model).__name__} carries a tensor-parallel "
+        "plan (a Hugging Face transformers model's `_tp_plan`); write the plan in the YAML (layer name -> colwise / "
+        "rowwise / colwise_gather) or split the model in configure_model()"
+    )
+
+
+def _resolved_plan(model: Any, plan: dict[str, Style] | Literal["auto"] | None) -> dict[str, Style]:
     """The plan with its patterns resolved to module names, each a Linear or an Embedding; a pattern that names
     nothing, or something else, is refused in one line."""
     import torch
 
     if not plan:
         return {}
+    if plan == "auto":
+        plan = _models_own_plan(model)
     modules = dict(model.named_modules())
     resolved: dict[str, Style] = {}
     for pattern, style in plan.items():
@@ -224,7 +267,42 @@ def _resolved_plan(model: Any, plan: dict[str, Style] | None) -> dict[str, Style
                     "only Linear and Embedding layers split: name those inside it"
                 )
             resolved[name] = style
+    for users in _tied(model).values():
+        if any(name in resolved for name, _ in users):
+            _check_tie(users, resolved, modules)
     return resolved
+
+
+def _tied(model: Any) -> dict[int, list[tuple[str, str]]]:
+    """Parameters that several modules hold (tied embeddings): id -> [(module name, attribute)]."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attribute, parameter in module.named_parameters(recurse=False):
+            holders.setdefault(id(parameter), []).append((name, attribute))
+    return {key: users for key, users in holders.items() if len({name for name, _ in users}) > 1}
+
+
+def _check_tie(users: list[tuple[str, str]], plan: dict[str, Style], modules: dict[str, Any]) -> None:
+    """A tied weight splits only where every layer holding it is planned and splits it along the same dimension
+    (an Embedding's vocabulary split and a head's output split are the same rows): then it stays tied."""
+    names = sorted({name for name, _ in users})
+    dims = {_split_dim(plan[name], modules[name]) if name in plan else None for name in names}
+    if None in dims or len(dims) > 1:
+        styles = ", ".join(f"{name} {plan.get(name, 'not split')}" for name in names)
+        raise ConfigError(
+            f"trainer.strategy_options.plan: {' and '.join(names)} share one weight (tied), which the plan splits "
+            f"differently ({styles}); split them so the weight's rows split alike (the Embedding rowwise and the "
+            "head colwise or colwise_gather), or untie them"
+        )
+
+
+def _split_dim(style: Style, layer: Any) -> int:
+    """The dimension of the layer's weight that `style` splits (a Linear's weight is out x in)."""
+    import torch
+
+    if isinstance(layer, torch.nn.Embedding):
+        return 0 if style == "rowwise" else 1
+    return 1 if style == "rowwise" else 0
 
 
 def _matches(name: str, pattern: str) -> bool:
