@@ -16,12 +16,14 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Sequence
 
 from unifit.errors import ConfigError, UnifitError, error_prefix, first_line
 from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
+from unifit.strategies.tf_server import END_WITH_PARENT, end_with_parent
 
 if TYPE_CHECKING:
     from unifit.strategies.environment import ClusterEnvironment
@@ -91,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-port", type=int, default=None)
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
     launch.add_argument("--hosts", default=None, help="comma-separated hosts, for mwms workers on several hosts")
+    launch.add_argument(
+        "--num-ps", type=int, default=0, help="parameter servers to start (trainer.strategy parameter-server)"
+    )
     launch.add_argument("--ckpt-path", default=None, help="as for fit; with --max-restarts the default is 'auto'")
     launch.add_argument(
         "--max-restarts",
@@ -243,6 +248,7 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
         command=args.run,
         hosts=args.hosts.split(",") if args.hosts else None,
         max_restarts=args.max_restarts,
+        num_ps=args.num_ps,
         script=script,
         env={LAUNCH_STRATEGY_ENV: strategy} if script else {},
     )
@@ -302,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # checking the experiment imports the user's module, which may import TensorFlow: its start-up INFO and
     # WARNING lines would come before unifit's one-line answer (the Keras engine sets the same; yours wins)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if os.environ.pop(END_WITH_PARENT, None) == "1":  # a parameter-server chief whose launch was killed: its
+        end_with_parent(signal.SIGKILL)  # servers are gone with it, so no checkpoint could be written: end now
     script: list[str] = []
     if argv[:1] == ["script"]:  # a launched rank of `unifit launch -- SCRIPT.py [ARGS]`
         return _run_script(argv[1:])

@@ -135,6 +135,8 @@ def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterEnvironment |
         config = json.loads(raw)
         cluster, task = config["cluster"], config["task"]
         kind = str(task["type"]).lower()  # TFJob writes its replica types in lower case
+        if cluster.get("ps"):  # a parameter-server cluster: the chief alone runs unifit's loop
+            return _parameter_server_chief(kind, raw)
         if kind not in ("chief", "worker"):
             raise ConfigError(
                 f"TF_CONFIG: task type {task['type']!r}: unifit trains with MultiWorkerMirroredStrategy, which "
@@ -163,6 +165,18 @@ def from_tf_config(env: Mapping[str, str] | None = None) -> ClusterEnvironment |
         master_port=int(port),
         source="tf_config",
     )
+
+
+def _parameter_server_chief(kind: str, raw: str) -> ClusterEnvironment:
+    from unifit.errors import ConfigError
+
+    if kind not in ("chief", "master"):
+        raise ConfigError(
+            f"TF_CONFIG: task type {kind!r} of a parameter-server cluster: its 'ps' and 'worker' tasks are servers "
+            "(python -m unifit.strategies.tf_server), the 'chief' runs unifit fit with trainer.strategy "
+            f"parameter-server; received {raw!r}"
+        )
+    return ClusterEnvironment(source="tf_config_ps")
 
 
 def from_slurm(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:

@@ -23,3 +23,22 @@ class KerasTraining:
 
     def broadcast_variables(self, variables: list[Any]) -> None:
         """Give every process rank 0's values of these variables (no-op by default)."""
+
+    # ---- how steps run and data reaches them: the default runs here, now; parameter-server schedules them
+    per_worker_stream = False  # True: each worker reads its own endless shuffled stream of the training data
+    precisions: tuple[str, ...] | None = None  # the trainer.precision values it trains in (None: every one)
+
+    def distribute(self, dist: Any, dataset_fn: Any, training: bool) -> Any:
+        """The dataset the step reads: distributed over this process's replicas by `dist`."""
+        return dist.distribute_datasets_from_function(dataset_fn)
+
+    def run_step(self, step: Any, argument: Any) -> Any:
+        """Run the compiled step (its batch or iterator): here, at once."""
+        return step(argument)
+
+    def fetch(self, value: Any) -> Any:
+        """A step output as a value (one that ran elsewhere is brought here)."""
+        return value
+
+    def wait_for_steps(self, what: str) -> None:
+        """Every step run so far is done before `what` (nothing to wait for where steps run here)."""

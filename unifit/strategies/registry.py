@@ -130,6 +130,17 @@ register(
 )
 
 
+register(
+    StrategyEntry(
+        "parameter-server",
+        "unifit.strategies.parameter_server:ParameterServerStrategy",
+        "unifit.strategies.launchers.parameter_servers:ParameterServerLauncher",
+        {TENSORFLOW: ITSELF},
+        "TensorFlow ParameterServerStrategy: workers update variables on parameter servers asynchronously",
+    )
+)
+
+
 def names() -> list[str]:
     return list(_REGISTRY)
 

@@ -95,6 +95,12 @@ class KerasEngine(KerasEvaluation, Engine):
                 "trainer.data_on_device: true places a PyTorch module's in-memory tensors on its GPU; a Keras module's "
                 "data goes through tf.data, which TensorFlow's strategies place: leave it auto"
             )
+        allowed, name = self.training.precisions, self.strategy.name
+        if allowed and cfg.precision not in allowed:
+            raise ConfigError(
+                f"trainer.precision: {cfg.precision}: {name} trains Keras modules in {', '.join(allowed)} only; "
+                f"set trainer.precision: {allowed[0]}"
+            )
         self.precision = make_precision(cfg.precision)
         train, presharded = self._rank_data(self.data.train_dataset())
         train, batched_by = unbatched(train)
@@ -106,6 +112,11 @@ class KerasEngine(KerasEvaluation, Engine):
         self.train_lazy = self.val_lazy = None
         self.train_arrays = self.val_arrays = None
         self._train_iter, self._train_next = None, None
+        if isinstance(train, tf.data.Dataset) and self.training.per_worker_stream:
+            raise ConfigError(
+                f"train_dataset(): a tf.data pipeline; {name} streams in-memory arrays (x, y[, sample_weight]) to "
+                "its workers and does not read pipelines yet; return arrays, or use mwms or horovod"
+            )
         if isinstance(train, tf.data.Dataset):  # a pipeline: read lazily, each worker its own part
             self.train_lazy = lazy = self._lazy(train, "train_dataset()", presharded, endless_ok=True)
             if lazy.endless:  # as model.fit: an endless stream needs steps_per_epoch, and is read on across epochs
@@ -290,7 +301,9 @@ class KerasEngine(KerasEvaluation, Engine):
     def _lazy_batches(self, lazy: LazyData, sizes: list[int], repeat: bool, skip: int = 0) -> Any:
         """Distributed per-replica batches of a lazy part: each step's samples split evenly over the local replicas."""
         per_replica = [part for size in sizes for part in split_evenly(size, self.local_replicas)]
-        return self.dist.distribute_datasets_from_function(lambda context: lazy.batched(per_replica, repeat, skip))
+        return self.training.distribute(
+            self.dist, lambda context: lazy.batched(per_replica, repeat, skip), training=repeat
+        )
 
     def _steps_for(self, counts: list[int]) -> int:
         """Steps that every worker takes for its `counts` samples: enough for the largest at full
@@ -311,7 +324,7 @@ class KerasEngine(KerasEvaluation, Engine):
             )
         return step_sizes(count, self._steps_for(counts), self.local_batch, self.local_replicas)
 
-    def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, sizes: list[int]) -> Any:
+    def _dataset(self, arrays: tuple[np.ndarray, ...], indices: np.ndarray, sizes: list[int], training: bool) -> Any:
         """This worker's samples in per-replica batches: each local replica dequeues one per step
         (round robin), and a step of `sizes[i]` samples gives every replica an even share, never none.
 
@@ -329,7 +342,18 @@ class KerasEngine(KerasEvaluation, Engine):
                 start = end
             return functools.reduce(tf.data.Dataset.concatenate, parts)
 
-        return self.dist.distribute_datasets_from_function(dataset_fn)
+        return self.training.distribute(self.dist, dataset_fn, training)
+
+    def _stream(self) -> Iterator[Any]:
+        """Each worker's own endless stream of the training data (shuffled on the worker, unseeded, so the
+        workers read different orders), batched by the step's batch size."""
+        data, size = tuple(self.train_arrays[:3]), self.local_batch
+
+        def dataset_fn(context: Any) -> Any:
+            n = len(data[0])
+            return tf.data.Dataset.from_tensor_slices(data).shuffle(n).repeat().batch(size, drop_remainder=True)
+
+        return iter(self.training.distribute(self.dist, dataset_fn, training=True))
 
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         if skip >= self._batches:  # resumed from a checkpoint taken after the epoch's last step
@@ -337,13 +361,19 @@ class KerasEngine(KerasEvaluation, Engine):
         if self.train_lazy is not None:
             yield from self._lazy_train_batches(epoch, skip)
             return
+        if self.training.per_worker_stream:  # one stream per worker for the whole fit: steps dequeue from it
+            self._train_iter = self._train_iter or self._stream()
+            for _ in range(skip, self._batches):
+                self.collector.batch_count = self.local_batch
+                yield self._train_iter
+            return
         n = len(self.train_arrays[0])
         order = np.random.default_rng(self.config.seed + epoch).permutation(n)
         mine = order if self.train_presharded else order[self.strategy.rank :: self.strategy.world_size]
         mine = mine[: self.per_worker]  # every worker the same number of samples (and steps)
         # a mid-epoch resume starts after the samples of the first `skip` steps (never loaded)
         mine = mine[sum(self._train_sizes[:skip]) :]
-        iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes[skip:]))
+        iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes[skip:], training=True))
         for i in range(skip, self._batches):  # the same count on every worker
             self.collector.batch_count = self._train_sizes[i]
             yield iterator  # train_step dequeues the batch inside its compiled step
@@ -367,19 +397,24 @@ class KerasEngine(KerasEvaluation, Engine):
 
     def train_step(self, batch: Any, batch_idx: int) -> Any:
         with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
-            means = self._train_fn(batch) if not self._untried else self._first_call(self._train_fn, batch, "training")
+            means = (
+                self.training.run_step(self._train_fn, batch)
+                if not self._untried
+                else self._first_call(self._train_fn, batch, "training")
+            )
         self._steps += 1
         self._collect("train/", means)
         return means["train/loss"]
 
     def val_batches(self) -> Iterator[Any]:
+        self.training.wait_for_steps("validation")
         sizes = self._val_sizes
         limit = self.config.limit_val_batches
         steps = len(sizes) if limit is None else min(limit, len(sizes))
         if self.val_lazy is not None:
             iterator = iter(self._lazy_batches(self.val_lazy, sizes, repeat=False))
         else:
-            iterator = iter(self._dataset(self.val_arrays, self._val_indices, sizes))
+            iterator = iter(self._dataset(self.val_arrays, self._val_indices, sizes, training=False))
         for i in range(steps):  # the same count on every worker
             with self.strategy.collective_guard("validation batch"):  # MWMS: workers agree there is one
                 batch = next(iterator)
@@ -387,12 +422,17 @@ class KerasEngine(KerasEvaluation, Engine):
             yield batch
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        means = self._val_fn(batch) if not self._untried else self._first_call(self._val_fn, batch, "validation")
+        means = (
+            self.training.run_step(self._val_fn, batch)
+            if not self._untried
+            else self._first_call(self._val_fn, batch, "validation")
+        )
         self._collect("val/", means)
 
     def _collect(self, prefix: str, means: dict[str, Any]) -> None:
         """A step's sample means into the collector; its outputs, if kept, into the stateful metrics."""
-        y, y_pred = means.pop("_y", None), means.pop("_y_pred", None)
+        fetch = self.training.fetch  # outputs of a step that ran elsewhere: brought here for the host's metrics
+        y, y_pred = fetch(means.pop("_y", None)), fetch(means.pop("_y_pred", None))
         for name, value in means.items():
             self.collector.add(name, value, self.collector.batch_count)
         for name, metric in self._stateful_metrics(prefix).items():
@@ -412,9 +452,9 @@ class KerasEngine(KerasEvaluation, Engine):
     def _first_call(self, fn: Any, batch: Any, which: str) -> Any:
         """The first call of a step under trainer.compile: an op XLA cannot compile is a one-line error."""
         if which not in self._untried:
-            return fn(batch)
+            return self.training.run_step(fn, batch)
         try:
-            result = fn(batch)
+            result = self.training.run_step(fn, batch)
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as exc:
             message = str(exc)
             if "XLA" not in message and "compil" not in message:
@@ -445,6 +485,7 @@ class KerasEngine(KerasEvaluation, Engine):
     def end_of_epoch(self) -> None:
         """Keras schedules are evaluated per step; the processes agree on the moving statistics before the
         epoch's checkpoint and validation."""
+        self.training.wait_for_steps("the end of the epoch")
         self._agree_on_statistics()
 
     def _agree_on_statistics(self) -> None:
@@ -468,10 +509,11 @@ class KerasEngine(KerasEvaluation, Engine):
         return [float(self.schedule(self._steps))]
 
     def to_numpy(self, values: list[Any]) -> np.ndarray:
-        return np.asarray([float(v) for v in values], dtype=np.float64)
+        fetch = self.training.fetch  # a value of a step that ran on another worker is brought here
+        return np.asarray([float(fetch(v)) for v in values], dtype=np.float64)
 
     def is_finite(self, value: Any) -> bool:
-        return math.isfinite(float(value))
+        return math.isfinite(float(self.training.fetch(value)))
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -493,6 +535,7 @@ class KerasEngine(KerasEvaluation, Engine):
 
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
         """Every worker writes (TensorFlow requires all to take part); only the chief's files are kept."""
+        self.training.wait_for_steps("a checkpoint")
         self._agree_on_statistics()  # a mid-epoch checkpoint holds the processes' mean, as at epoch end
         folder = tempfile.mkdtemp(prefix="unifit-tf-ckpt-")
         try:

@@ -94,7 +94,7 @@ class KerasEvaluation:
         if self.eval_lazy is not None:
             iterator = iter(self._lazy_batches(self.eval_lazy, self._eval_sizes, repeat=False))
         else:
-            iterator = iter(self._dataset(self.eval_arrays, self._eval_indices, self._eval_sizes))
+            iterator = iter(self._dataset(self.eval_arrays, self._eval_indices, self._eval_sizes, training=False))
         for size in self._eval_sizes:  # the same count on every worker
             with self.strategy.collective_guard("evaluation batch"):
                 batch = next(iterator)
@@ -102,11 +102,11 @@ class KerasEvaluation:
             yield batch
 
     def eval_step(self, batch: Any, batch_idx: int) -> Any:
-        outputs = self._eval_fn(batch)
+        outputs = self.training.run_step(self._eval_fn, batch)
         if isinstance(outputs, dict):  # validate / test: this worker's sample means
             self._collect(self._prefix, outputs)
             return None
-        return outputs.numpy()
+        return np.asarray(outputs)
 
     def eval_indices(self, loader: int = 0) -> Sequence[int]:
         return self._eval_indices[: sum(self._eval_sizes)].tolist()

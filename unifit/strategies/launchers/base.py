@@ -31,6 +31,7 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     hosts: list[str] | None = None  # for launchers that address every host (TF_CONFIG workers)
     max_restarts: int = 0  # restart the whole group this many times after a rank fails (torchrun's elastic agent)
+    num_ps: int = 0  # parameter servers to start beside the workers (parameter-server only)
     fit_args: list[str] = field(default_factory=list)  # passed to `unifit <command>` in each process
     command: str = "fit"  # or validate / test / predict
     script: list[str] = field(default_factory=list)  # or: a Python script (and its arguments) each process runs
@@ -55,7 +56,14 @@ class Launcher(ABC):
         self.check(spec)
         return run_forwarding_signals(self.command(spec), env=rank_environment(extra=spec.env))
 
+    starts_parameter_servers = False
+
     def check(self, spec: LaunchSpec) -> None:
+        if spec.num_ps and not self.starts_parameter_servers:
+            raise ConfigError(
+                f"--num-ps {spec.num_ps}: strategy '{self.strategy}' has no parameter servers; use "
+                "--trainer.strategy parameter-server (Keras modules), or leave --num-ps out"
+            )
         if spec.max_restarts and not self.supports_restarts:
             raise ConfigError(
                 f"--max-restarts {spec.max_restarts}: strategy '{self.strategy}' has no restarting launcher (only "

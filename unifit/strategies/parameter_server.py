@@ -1,0 +1,156 @@
+"""TensorFlow's ParameterServerStrategy: variables on parameter servers, workers updating them asynchronously.
+
+The cluster (TF_CONFIG): parameter servers and workers are plain `tf.distribute.Server` processes
+(`python -m unifit.strategies.tf_server`), and this process, the chief, is the coordinator: the only one that runs
+unifit's loop. It schedules each training step on whichever worker is free (`ClusterCoordinator.schedule`); a
+worker reads its own endless, shuffled copy of the training data (a per-worker dataset) and applies its gradients
+to the variables on the parameter servers without waiting for the others. What follows for the loop:
+- a step is one worker's batch and one update: the learning rate is not scaled (one replica per update);
+- an epoch is the number of steps one pass over the data takes, scheduled over the workers (each worker shuffles
+  on its own, so a sample may be read twice or not at all within an epoch, as in TensorFlow's own examples);
+- values are fetched from the workers at the log and epoch boundaries only, and the coordinator waits for every
+  scheduled step (`join`) before validation and checkpoints; validation batches are read here and sent one by one,
+  so validation metrics are exact;
+- a worker that dies is left behind: the coordinator runs its steps elsewhere (a step cut off may run twice) and
+  takes the worker back when it restarts; a parameter server that dies ends the run with one line.
+Keras 3 counters updated on several workers at once (`optimizer.iterations`, `keras.metrics`) lose updates (their
+`assign_add` reads, then writes), so unifit counts steps itself and reduces losses from the fetched values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from unifit.errors import ConfigError, DistributedError, error_prefix, first_line
+from unifit.strategies.tf_distribute import TFDistributeStrategy
+from unifit.strategies.watchdog import CollectiveWatchdog
+
+log = logging.getLogger("unifit")
+
+
+class ParameterServerOptions(BaseModel):
+    """trainer.strategy_options for parameter-server (the cluster's size comes from `unifit launch`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ParameterServerStrategy(TFDistributeStrategy):
+    """tf.distribute.ParameterServerStrategy with a ClusterCoordinator in this process (the chief)."""
+
+    name = "parameter-server"
+    Options = ParameterServerOptions
+    coordinator: Any = None
+    per_worker_stream = True  # the engine gives each worker an endless shuffled stream of the training data
+    precisions = ("32-true",)  # a float16 loss scale is a counter that workers would update at once
+
+    def claim_process(self) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        # the coordinator waits for lost workers to come back: one that never does ends the chief in one line
+        self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank))
+
+    def _make(self) -> Any:
+        import tensorflow as tf
+
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        spec = resolver.cluster_spec().as_dict()
+        if not spec.get("ps") or not spec.get("worker"):
+            raise ConfigError(
+                "trainer.strategy: parameter-server needs a cluster of workers and parameter servers (TF_CONFIG "
+                f"with 'worker' and 'ps' tasks; received {os.environ.get('TF_CONFIG')!r}); start it with: unifit "
+                "launch --nproc-per-node N --num-ps K -c exp.yaml --trainer.strategy parameter-server"
+            )
+        strategy = tf.distribute.ParameterServerStrategy(resolver)
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        log.info(
+            "parameter-server: %d worker(s), %d parameter server(s); this process coordinates",
+            len(spec.get("worker", [])),
+            len(spec.get("ps", [])),
+        )
+        return strategy
+
+    def teardown(self) -> None:
+        self.coordinator = None
+        super().teardown()
+
+    # ---- the engine's seams (KerasTraining) ---------------------------------------------------
+    def distribute(self, dist: Any, dataset_fn: Any, training: bool) -> Any:
+        """Training: a dataset on every worker (each its own stream). Evaluation: read here, batch by batch."""
+        import tensorflow as tf
+
+        if not training:
+            return dataset_fn(tf.distribute.InputContext())
+        strategy = self.tf_strategy
+
+        @tf.function
+        def per_worker() -> Any:
+            return strategy.distribute_datasets_from_function(dataset_fn)
+
+        return self.coordinator.create_per_worker_dataset(per_worker)
+
+    def run_step(self, step: Any, argument: Any) -> Any:
+        """Scheduled on a free worker; its outputs come back as values fetched when read."""
+        remote = self.coordinator.schedule(step, args=(argument,))
+        structure = getattr(remote, "_type_spec", None)
+        if isinstance(structure, dict):  # the step's named means: each fetched when read
+            return {key: _Fetched(remote, key) for key in structure}
+        return remote.fetch()  # predictions: each batch's, in order
+
+    def fetch(self, value: Any) -> Any:
+        if not isinstance(value, _Fetched):
+            return value
+        with self.collective_guard("a step's values (no worker finished the step)"):
+            return value.value()
+
+    def wait_for_steps(self, what: str) -> None:
+        """Every scheduled step done (a parameter server lost: one line)."""
+
+        try:
+            with self.collective_guard(f"the scheduled steps (no worker finished them) before {what}"):
+                self.coordinator.join()
+        except _lost_errors() as exc:
+            raise _lost(exc, f"waiting for the scheduled steps before {what}") from None
+
+    # ---- collectives: the coordinator is the only process of unifit's loop --------------------
+    def _all_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
+        return values
+
+
+def _lost_errors() -> tuple[type[Exception], ...]:
+    import tensorflow as tf
+
+    return (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError)
+
+
+def _lost(exc: Exception, doing: str) -> DistributedError:
+    return DistributedError(
+        f"parameter-server: {doing}, a parameter server or the cluster was lost ({type(exc).__name__}: "
+        f"{first_line(exc)}); restart the job with --ckpt-path auto to go on from the last checkpoint"
+    )
+
+
+class _Fetched:
+    """One output of a scheduled step, fetched from its worker when first read (a log or epoch boundary)."""
+
+    __slots__ = ("_remote", "_key", "_value")
+
+    def __init__(self, remote: Any, key: str) -> None:
+        self._remote, self._key, self._value = remote, key, None
+
+    def value(self) -> Any:
+        if self._value is None:
+            try:
+                self._value = self._remote.fetch()[self._key]
+            except _lost_errors() as exc:
+                raise _lost(exc, "fetching a step's values") from None
+        return self._value
+
+    def __float__(self) -> float:
+        return float(np.asarray(self.value()).mean())

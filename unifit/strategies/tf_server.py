@@ -1,0 +1,54 @@
+"""A parameter server or worker of a parameter-server cluster: a `tf.distribute.Server` for its TF_CONFIG task.
+
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' python -m unifit.strategies.tf_server
+
+`unifit launch --num-ps K` starts these itself; on Kubernetes (TFJob) or SageMaker, run this in the PS and Worker
+replicas and `unifit fit` in the Chief. The process serves until it is stopped, or until its parent (the launch
+that started it) ends, so no server outlives its job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+END_WITH_PARENT = "UNIFIT_END_WITH_PARENT"  # set by the launch that started this process: end when it ends
+
+
+def end_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: this process gets `sig` when the process that started it ends (even by kill -9)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> int:
+    if os.environ.get(END_WITH_PARENT) == "1":
+        end_with_parent()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type not in ("ps", "worker"):
+        print(
+            f"unifit: error: TF_CONFIG task type {resolver.task_type!r}: this module serves 'ps' and 'worker' tasks; "
+            "run `unifit fit` in the chief",
+            file=sys.stderr,
+        )
+        return 2
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        start=True,
+    )
+    server.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
