@@ -73,11 +73,26 @@ def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_
 
 
 @pytest.mark.timeout(200)
-def test_a_parameter_server_killed_mid_run_ends_every_process_with_one_line(tmp_path):
-    proc = start_unifit(*_cluster(tmp_path, "--trainer.max_epochs", "40"))
+def test_a_compiled_keras_model_trains_and_a_killed_parameter_server_ends_every_process_with_one_line(tmp_path):
+    """A compiled Keras model passed as the module (built before the Trainer, as users write it: the chief
+    connects to the cluster when the Trainer is made, so its variables are the cluster's)."""
+    experiment = tmp_path / "compiled.yaml"
+    experiment.write_text(
+        json.dumps(
+            {
+                "module": {"class_path": "tests.probe.keras_compiled_probe.compiled_model", "init_args": {}},
+                "data": {"class_path": "tests.probe.keras_compiled_probe.Data"},
+                "trainer": {"batch_size": 8, "seed": 0, "progress_bar": False, "collective_timeout_s": 60},
+            }
+        )
+    )
+    args = ["launch", "--nproc-per-node", "2", "--num-ps", "1", "-c", str(experiment), "--trainer.max_epochs", "400"]
+    proc = start_unifit(*args, "--trainer.strategy", "parameter-server", "--trainer.root_dir", str(tmp_path))
     children = psutil.Process(proc.pid).children(recursive=True)
     killed_at = _kill_task_after_first_epoch(proc, tmp_path, "ps")
     out, err = stop(proc, timeout=90)
+    first = metrics_lines(tmp_path)[0]
+    assert first["step"] == 4 and "val/sparse_categorical_accuracy" in first, first
     _ended_in_one_line(proc, err, children, killed_at, "parameter server 0 ended (exit -9)")
 
 

@@ -33,6 +33,10 @@ from unifit.strategies.watchdog import CollectiveWatchdog
 log = logging.getLogger("unifit")
 
 
+# TF_CONFIG -> (strategy, coordinator): a process connects to its cluster once
+_CONNECTED: dict[str, tuple[Any, Any]] = {}
+
+
 class ParameterServerOptions(BaseModel):
     """trainer.strategy_options for parameter-server (the cluster's size comes from `unifit launch`)."""
 
@@ -49,7 +53,9 @@ class ParameterServerStrategy(TFDistributeStrategy):
     precisions = ("32-true",)  # a float16 loss scale is a counter that workers would update at once
 
     def claim_process(self) -> None:
-        pass
+        """Connect to the cluster now, when the Trainer is made: TensorFlow's context is reset by the connection,
+        so a model built before it (a compiled Keras model passed as the module) would hold stale variables."""
+        self._make()
 
     def setup(self) -> None:
         super().setup()
@@ -57,6 +63,13 @@ class ParameterServerStrategy(TFDistributeStrategy):
         self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank))
 
     def _make(self) -> Any:
+        key = os.environ.get("TF_CONFIG", "")
+        if key not in _CONNECTED:  # one connection per process, as TensorFlow allows
+            _CONNECTED[key] = self._connect()
+        self.coordinator = _CONNECTED[key][1]
+        return _CONNECTED[key][0]
+
+    def _connect(self) -> tuple[Any, Any]:
         import tensorflow as tf
 
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -68,13 +81,13 @@ class ParameterServerStrategy(TFDistributeStrategy):
                 "launch --nproc-per-node N --num-ps K -c exp.yaml --trainer.strategy parameter-server"
             )
         strategy = tf.distribute.ParameterServerStrategy(resolver)
-        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         log.info(
             "parameter-server: %d worker(s), %d parameter server(s); this process coordinates",
             len(spec.get("worker", [])),
             len(spec.get("ps", [])),
         )
-        return strategy
+        return strategy, coordinator
 
     def teardown(self) -> None:
         self.coordinator = None
