@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import assert_ok, metrics_lines, run_unifit, start_unifit, stop
+from tests.helpers import assert_ok, metrics_lines, start_unifit, stop
 
 DIGITS = "examples/digits/keras.yaml"
 
@@ -40,24 +40,24 @@ def _kill_task_after_first_epoch(proc, root: Path, kind: str, index: int = 0) ->
 
 
 @pytest.mark.timeout(300)
-def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_with_a_killed_chief(tmp_path):
+def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_with_a_killed_chief(cli, tmp_path):
     run = tmp_path / "run"
-    proc = start_unifit(*_cluster(run, "--trainer.max_epochs", "6"))
+    proc = start_unifit(*_cluster(run, "--trainer.max_epochs", "5"))
     _kill_task_after_first_epoch(proc, run, "worker", 1)
     out, err = stop(proc, timeout=200)
     assert proc.returncode == 0, err[-3000:]
     assert "worker 1 ended (exit -9); the coordinator runs its steps on the other workers" in err
     lines = metrics_lines(run)
-    assert [line["epoch"] for line in lines] == [1, 2, 3, 4, 5, 6]
-    assert lines[-1]["step"] == 6 * 45 and lines[-1]["lr"] == pytest.approx(
+    assert [line["epoch"] for line in lines] == [1, 2, 3, 4, 5]
+    assert lines[-1]["step"] == 5 * 45 and lines[-1]["lr"] == pytest.approx(
         0.05
     )  # one worker's batch a step: no lr scaling
     assert lines[-1]["val/acc"] >= 0.9, lines[-1]
-    last = next((run / "checkpoints").glob("epoch=0006-*"))
+    last = next((run / "checkpoints").glob("epoch=0005-*"))
     # the coordinator's checkpoint holds the variables the parameter server had: one process validates it exactly
     checked = tmp_path / "checked"
     single = ["-c", DIGITS, "--trainer.strategy", "single", "--trainer.root_dir", str(checked)]
-    assert_ok(run_unifit("validate", *single, "--ckpt-path", str(last), timeout=120))
+    assert_ok(cli("validate", *single, "--ckpt-path", str(last)))
     validated = json.loads((checked / "validate.json").read_text())["metrics"]
     assert validated["val/acc"] == pytest.approx(lines[-1]["val/acc"], abs=1e-6)
     assert validated["val/loss"] == pytest.approx(lines[-1]["val/loss"], rel=1e-5)
@@ -67,8 +67,8 @@ def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_
     children = psutil.Process(proc.pid).children(recursive=True)
     killed_at = _kill_task_after_first_epoch(proc, resumed, "chief")
     out, err = stop(proc, timeout=90)
-    assert "resumed from" in err and "(epoch 6, step 270)" in err, err[-3000:]
-    assert (metrics_lines(resumed)[0]["epoch"], metrics_lines(resumed)[0]["step"]) == (7, 315)
+    assert "resumed from" in err and "(epoch 5, step 225)" in err, err[-3000:]
+    assert (metrics_lines(resumed)[0]["epoch"], metrics_lines(resumed)[0]["step"]) == (6, 270)
     _ended_in_one_line(proc, err, children, killed_at, "the chief (the coordinator) died (killed by SIGKILL)")
 
 
