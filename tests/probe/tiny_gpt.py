@@ -128,7 +128,20 @@ class TinyGPT(unifit.TrainModule):
         return tokens(self.n_val, self.seq, self.vocab, seed=2)
 
 
-class LightningTP(L.LightningModule):
+class TokensLightning(L.LightningModule):
+    """What the LightningModules below share: AdamW, and the tokens as DataLoaders of 8."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(tokens(self.n_train, self.seq, self.vocab, seed=1), batch_size=8)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(tokens(self.n_val, self.seq, self.vocab, seed=2), batch_size=8)
+
+
+class LightningTP(TokensLightning):
     """Written for Lightning's ModelParallelStrategy: nothing unifit-specific."""
 
     def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3) -> None:
@@ -177,15 +190,6 @@ class LightningTP(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", lm_loss(self.net, batch))
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(tokens(self.n_train, self.seq, self.vocab, seed=1), batch_size=8)
-
-    def val_dataloader(self):
-        return torch.utils.data.DataLoader(tokens(self.n_val, self.seq, self.vocab, seed=2), batch_size=8)
-
 
 class LightningWhole(LightningTP):
     """The same module unsplit (its configure_model does nothing): the reference ddp and one process train."""
@@ -194,7 +198,7 @@ class LightningWhole(LightningTP):
         pass
 
 
-class TransformersLlama(L.LightningModule):
+class TransformersLlama(TokensLightning):
     """A Hugging Face transformers Llama (its code unchanged, a tiny configuration, embeddings tied to the head) in a
     LightningModule as the HF/Lightning tutorials write one; `plan: auto` splits it by the model's own `_tp_plan`."""
 
@@ -226,12 +230,3 @@ class TransformersLlama(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         (seqs,) = batch
         self.log("val_loss", self.model(input_ids=seqs, labels=seqs).loss)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(tokens(self.n_train, self.seq, self.vocab, seed=1), batch_size=8)
-
-    def val_dataloader(self):
-        return torch.utils.data.DataLoader(tokens(self.n_val, self.seq, self.vocab, seed=2), batch_size=8)

@@ -54,8 +54,10 @@ class ParameterServerStrategy(TFDistributeStrategy):
 
     def claim_process(self) -> None:
         """Connect to the cluster now, when the Trainer is made: TensorFlow's context is reset by the connection,
-        so a model built before it (a compiled Keras model passed as the module) would hold stale variables."""
-        self._make()
+        so a model built before it (a compiled Keras model passed as the module) would hold stale variables.
+        Without a cluster, setup says so (after the module's framework is checked)."""
+        if "ps" in os.environ.get("TF_CONFIG", ""):
+            self._make()
 
     def setup(self) -> None:
         super().setup()

@@ -39,11 +39,15 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    # a worker's server with one inter-op thread never returns its first step (TensorFlow's default is one per
+    # core): at least 2
+    threads = max(2, os.cpu_count() or 1)
     server = tf.distribute.Server(
         resolver.cluster_spec(),
         job_name=resolver.task_type,
         task_index=resolver.task_id,
         protocol=resolver.rpc_layer or "grpc",
+        config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads),
         start=True,
     )
     server.join()
