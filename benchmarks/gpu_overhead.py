@@ -240,6 +240,10 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="on CPU, 2 steps a run, the transformer: checks the script"
     )
+    parser.add_argument(
+        "--runners", default=",".join(RUNNERS), help="which of raw,unifit,lightning (raw and unifit always run)"
+    )
+    parser.add_argument("--no-sharded", action="store_true", help="skip the ddp/fsdp table (more reps per lease)")
     parser.add_argument("--child", nargs=3, metavar=("RUNNER", "MODEL", "PRECISION"))
     args = parser.parse_args()
     if args.smoke:
@@ -260,19 +264,20 @@ def main() -> None:
     }
     models = args.models.split(",")
     started = time.time()
+    runners = tuple(r for r in RUNNERS if r in {"raw", "unifit", *args.runners.split(",")})
     results: dict[str, dict[str, list[dict]]] = {
-        f"{m} {p}": {r: [] for r in RUNNERS} for m in models for p in PRECISIONS
+        f"{m} {p}": {r: [] for r in runners} for m in models for p in PRECISIONS
     }
-    sharded: dict[str, list[dict]] = {f"{s}:{n}": [] for s, n in SHARDED}
+    sharded: dict[str, list[dict]] = {} if args.no_sharded else {f"{s}:{n}": [] for s, n in SHARDED}
     for rep in range(args.reps):
         for model in models:
             for precision in PRECISIONS:
-                order = RUNNERS if rep % 2 == 0 else tuple(reversed(RUNNERS))  # interleaved, order alternates
+                order = runners if rep % 2 == 0 else tuple(reversed(runners))  # interleaved, order alternates
                 for runner in order:
                     results[f"{model} {precision}"][runner].append(_measure(args, env, runner, model, precision))
                     print(rep, model, precision, runner, results[f"{model} {precision}"][runner][-1], flush=True)
         if "transformer" in models:
-            for runner in sharded:
+            for runner in sharded:  # empty with --no-sharded
                 sharded[runner].append(_measure(args, env, runner, "transformer", "bf16-mixed"))
                 print(rep, "transformer bf16-mixed", runner, sharded[runner][-1], flush=True)
         write(args, gpu, results, sharded, rep + 1, time.time() - started)
@@ -294,7 +299,7 @@ def write(
         "# GPU overhead: unifit vs a hand-written loop vs Lightning, and the fsdp step",
         "",
         f"Command: `python benchmarks/gpu_overhead.py --reps {args.reps}{f' --steps {args.steps}' if args.steps else ''} "
-        f"--models {args.models} "
+        f"--models {args.models} --runners {args.runners}{' --no-sharded' if args.no_sharded else ''} "
         f"--workers {args.workers}` ({seconds / 60:.1f} min)",
         f"Machine: {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
         f"date {time.strftime('%Y-%m-%d')}; {batches}; median of {reps} interleaved runs, each in its own process; "
@@ -307,16 +312,18 @@ def write(
     for case, by_runner in results.items():
         if not by_runner["raw"]:
             continue
-        med = {r: statistics.median(x["samples_per_s"] for x in by_runner[r]) for r in RUNNERS}
-        mem = {r: statistics.median(x["peak_gpu_mb"] for x in by_runner[r]) for r in RUNNERS}
-        per_rep = statistics.median(
-            u["samples_per_s"] / r["samples_per_s"] for u, r in zip(by_runner["unifit"], by_runner["raw"])
-        )
+        med = {r: statistics.median(x["samples_per_s"] for x in runs) for r, runs in by_runner.items()}
+        mem = {r: statistics.median(x["peak_gpu_mb"] for x in runs) for r, runs in by_runner.items()}
+        med.setdefault("lightning", float("nan"))  # --runners without lightning: its columns read nan
+        mem.setdefault("lightning", float("nan"))
+        ratios = [u["samples_per_s"] / r["samples_per_s"] for u, r in zip(by_runner["unifit"], by_runner["raw"])]
+        per_rep = statistics.median(ratios)
         summary[case] = {
             "samples_per_s": med,
             "peak_gpu_mb": mem,
             "unifit_over_raw": med["unifit"] / med["raw"],
             "unifit_over_raw_per_rep": per_rep,
+            "unifit_over_raw_each_rep": ratios,
             "unifit_over_lightning": med["unifit"] / med["lightning"],
             "runs": by_runner,
         }
@@ -325,6 +332,11 @@ def write(
             f"{med['unifit'] / med['raw']:.3f} | {per_rep:.3f} | {med['unifit'] / med['lightning']:.3f} | "
             f"{mem['raw']:.0f} / {mem['unifit']:.0f} / {mem['lightning']:.0f} |"
         )
+    lines += ["", "unifit/raw of each rep (each pair run back to back, order alternating):"]
+    lines += [
+        f"- {case}: " + ", ".join(f"{r:.3f}" for r in entry["unifit_over_raw_each_rep"])
+        for case, entry in summary.items()
+    ]
     if any(sharded.values()):
         lines += [
             "",
