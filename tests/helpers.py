@@ -138,10 +138,15 @@ def launch_probe(
 
 def start_unifit(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -m unifit ARGS` in the background (own session; see stop())."""
+    return start_python("-m", "unifit", *args, env=env)
+
+
+def start_python(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python ARGS` in the repository, in the background (own session; see stop())."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "unifit", *args],
+        [sys.executable, *args],
         cwd=REPO,
         env=full_env,
         text=True,

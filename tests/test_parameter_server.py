@@ -4,18 +4,23 @@ launch --num-ps 1` starts a parameter server, 2 workers (tf.distribute.Server) a
 The Keras digits train asynchronously to a useful accuracy, a worker killed with SIGKILL mid-run is left behind
 and the run finishes, the coordinator's checkpoint holds the variables (a one-process validation of it equals the
 value logged at that epoch) and a fit resumes from it; a parameter server or the chief killed mid-run ends every process with
-one line; bad input is one line, exit 2."""
+one line; two hosts (two launches, 127.0.0.1 and 127.0.0.2) make one cluster; bad input is one line, exit 2."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.helpers import assert_ok, metrics_lines, start_unifit, stop
+from tests.helpers import assert_ok, metrics_lines, start_python, start_unifit, stop
+from unifit.strategies.launchers.tf_config import _free_ports
 
 DIGITS = "examples/digits/keras.yaml"
 
@@ -73,9 +78,13 @@ def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_
 
 
 @pytest.mark.timeout(200)
-def test_a_compiled_keras_model_trains_and_a_killed_parameter_server_ends_every_process_with_one_line(tmp_path):
-    """A compiled Keras model passed as the module (built before the Trainer, as users write it: the chief
-    connects to the cluster when the Trainer is made, so its variables are the cluster's)."""
+def test_two_hosts_train_a_compiled_keras_model_and_a_killed_parameter_server_ends_every_process_with_one_line(
+    tmp_path,
+):
+    """Two hosts (127.0.0.1 and 127.0.0.2: one machine, the ports numbered across hosts), each with one worker and
+    one parameter server, the chief on the first; the module a compiled Keras model, built before the Trainer as
+    users write it (the chief connects to the cluster when the Trainer is made, so its variables are the
+    cluster's). Killing parameter server 0 ends the chief, and the second host's launch once the chief is gone."""
     experiment = tmp_path / "compiled.yaml"
     experiment.write_text(
         json.dumps(
@@ -86,13 +95,20 @@ def test_a_compiled_keras_model_trains_and_a_killed_parameter_server_ends_every_
             }
         )
     )
-    args = ["launch", "--nproc-per-node", "2", "--num-ps", "1", "-c", str(experiment), "--trainer.max_epochs", "400"]
-    proc = start_unifit(*args, "--trainer.strategy", "parameter-server", "--trainer.root_dir", str(tmp_path))
-    children = psutil.Process(proc.pid).children(recursive=True)
+    base = random.randrange(30000, 40000, 10)  # 5 ports from here: the chief, then each host's worker and ps
+    args = ["launch", "--hosts", "127.0.0.1,127.0.0.2", "--master-port", str(base), "--nproc-per-node", "1"]
+    args += ["--num-ps", "1", "-c", str(experiment), "--trainer.max_epochs", "400"]
+    args += ["--trainer.strategy", "parameter-server", "--trainer.root_dir", str(tmp_path)]
+    second = start_unifit(*args, "--node-rank", "1")
+    proc = start_unifit(*args, "--node-rank", "0")
+    children = [c for p in (proc, second) for c in psutil.Process(p.pid).children(recursive=True)]
     killed_at = _kill_task_after_first_epoch(proc, tmp_path, "ps")
     out, err = stop(proc, timeout=90)
     first = metrics_lines(tmp_path)[0]
     assert first["step"] == 4 and "val/sparse_categorical_accuracy" in first, first
+    assert "2 worker(s), 2 parameter server(s)" in err, err[-3000:]
+    _, second_err = stop(second, timeout=max(1, 60 - (time.time() - killed_at)))
+    assert f"the chief at 127.0.0.1:{base} ended; stopping this host's servers" in second_err, second_err[-3000:]
     _ended_in_one_line(proc, err, children, killed_at, "parameter server 0 ended (exit -9)")
 
 
@@ -110,6 +126,7 @@ def _ended_in_one_line(proc, err: str, children: list, killed_at: float, named: 
     [
         (["--num-ps", "0"], ["--num-ps: received 0", "at least 1 parameter server"]),
         (["--num-ps", "1", "--max-restarts", "1"], ["--max-restarts 1", "has no restarting launcher"]),
+        (["--num-ps", "1", "--hosts", "a,b", "--node-rank", "2"], ["--node-rank 2", "give 0 to 1"]),
     ],
 )
 def test_bad_input_is_one_line(cli, tmp_path, args, needles):
@@ -151,3 +168,73 @@ def test_a_parameter_server_cluster_runs_unifits_loop_in_the_chief_alone():
     for kind in ("worker", "ps"):
         with pytest.raises(ConfigError, match=f"task type '{kind}'.*python -m unifit.strategies.tf_server"):
             detect({"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": 0}})})
+
+
+# SageMaker's TensorFlow toolkit (sagemaker-tensorflow-training's `_run_ps`) starts one of these on every host
+_TOOLKIT_PS = """
+import json, os, tensorflow as tf
+config = json.loads(os.environ["TF_CONFIG"])
+tf.distribute.Server(tf.train.ClusterSpec(config["cluster"]), job_name="ps", task_index=config["task"]["index"],
+                     config=tf.compat.v1.ConfigProto(device_count={"GPU": 0})).join()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_sagemakers_parameter_server_distribution_runs_the_chief_on_the_master_and_serves_on_the_other_hosts(
+    tmp_path,
+):
+    """What SageMaker's TensorFlow toolkit does with distribution={"parameter_server": {"enabled": True}} on two
+    hosts (its `_build_tf_config_for_ps`, free ports here instead of its fixed 2222 and 2223 so both hosts fit on
+    one machine): a parameter server on each host, started by the toolkit with the TF 1 name "master" in its
+    cluster, then the entry point on each host with TF_CONFIG. The master trains as the chief; the worker host's
+    entry point serves until the chief ends, then ends by itself."""
+    hosts = ["127.0.0.1", "localhost"]
+    master, worker, *ps = [f"{host}:{port}" for host, port in zip(hosts + hosts, _free_ports(4))]
+    cluster = {"master": [master], "ps": ps, "worker": [worker]}
+
+    def env(kind: str, index: int, host: str) -> dict[str, str]:
+        task = {"cluster": cluster, "environment": "cloud", "task": {"index": index, "type": kind}}
+        return {"TF_CONFIG": json.dumps(task), "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": host}
+
+    servers = [
+        subprocess.Popen([sys.executable, "-c", _TOOLKIT_PS], env={**os.environ, **env("ps", i, hosts[i])})
+        for i in range(2)
+    ]
+    entry = ["examples/sagemaker/train.py", "--config", DIGITS, "--trainer.strategy", "parameter-server"]
+    entry += ["--trainer.max_epochs", "3", "--trainer.root_dir", str(tmp_path), "--trainer.progress_bar", "false"]
+    try:
+        serving = start_python(*entry, env=env("worker", 0, hosts[1]))
+        chief = start_python(*entry, env=env("master", 0, hosts[0]))
+        out, err = stop(chief, timeout=180)
+        assert chief.returncode == 0, err[-3000:]
+        assert "1 worker(s), 2 parameter server(s)" in err, err[-3000:]
+        lines = metrics_lines(tmp_path)
+        assert [line["epoch"] for line in lines] == [1, 2, 3] and lines[-1]["val/acc"] >= 0.9, lines[-1]
+        _, served = stop(serving, timeout=30)
+        assert serving.returncode == 0 and f"the chief at {master} ended" in served, served[-3000:]
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def test_sagemaker_without_a_distribution_launches_the_cluster_on_every_host(monkeypatch):
+    """No estimator distribution: unifit's entry point starts the cluster itself, one parameter server and a
+    worker per GPU on every host (the chief on the first), through the same launcher as `unifit launch --hosts`."""
+    from unifit import sagemaker
+    from unifit.strategies.launchers.parameter_servers import ParameterServerLauncher, layout
+
+    launched = []
+    monkeypatch.setattr(ParameterServerLauncher, "launch", lambda self, spec: launched.append(spec) or 0)
+    monkeypatch.setenv("SM_HOSTS", '["algo-1", "algo-2"]')
+    monkeypatch.setenv("SM_CURRENT_HOST", "algo-2")
+    monkeypatch.setenv("SM_NUM_GPUS", "2")
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert sagemaker.main(["--config", DIGITS, "--trainer.strategy", "parameter-server"]) == 0
+    cluster, mine = layout(launched[0])
+    assert cluster == {
+        "chief": ["algo-1:29500"],
+        "worker": ["algo-1:29501", "algo-1:29502", "algo-2:29504", "algo-2:29505"],
+        "ps": ["algo-1:29503", "algo-2:29506"],
+    }
+    assert mine == [("ps", 1), ("worker", 2), ("worker", 3)]

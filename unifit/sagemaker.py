@@ -9,6 +9,11 @@ What SageMaker provides is mapped onto the config:
   launcher (master: the first host), when SageMaker itself started one process per host;
 - a launcher SageMaker already ran (torch_distributed -> torchrun, mpi / smdistributed ->
   mpirun) is detected from its variables, and then each process trains directly;
+- trainer.strategy parameter-server: without an estimator distribution unifit starts the cluster itself
+  (--nproc-per-node workers and --num-ps parameter servers on every host, default 1 and 1; the chief on the first
+  host); with `distribution={"parameter_server": {"enabled": True}}` SageMaker's toolkit starts one parameter
+  server per host and runs this entry point with TF_CONFIG: the first host ("master") is the chief, every other
+  host serves as a worker until the chief ends;
 - SM_CHANNEL_<NAME>: replaces `data.init_args.<name>` when the data section has that key
   (a glob's file pattern is kept: train-*.npz -> <channel dir>/train-*.npz);
 - SM_MODEL_DIR: trainer.export_dir (the final model, uploaded by SageMaker as model.tar.gz);
@@ -139,6 +144,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--config", "-c", required=True)
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None)
     parser.add_argument("--master-port", "--master_port", type=int, default=None)
+    parser.add_argument("--num-ps", "--num_ps", type=int, default=1, help="parameter-server: per host")
     args, extra = parser.parse_known_args(argv)
     sm = SageMakerEnvironment.detect()
     if sm is None:
@@ -151,9 +157,24 @@ def _main(argv: list[str]) -> int:
     fit_args = ["-c", args.config]
     for key, value in overrides.items():
         fit_args += [f"--{key}", value]
+    cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
+    if cluster.get("ps"):  # SageMaker's parameter_server distribution started the parameter servers
+        launcher = registry.launcher(cli.load_experiment(args.config, overrides).trainer.strategy)
+        if not launcher.starts_parameter_servers:
+            raise ConfigError(
+                f"trainer.strategy: received {launcher.strategy!r}, but the estimator's distribution is "
+                "parameter_server (TF_CONFIG has 'ps' tasks); set trainer.strategy: parameter-server, or drop the "
+                "distribution argument"
+            )
+        from unifit.strategies.launchers.parameter_servers import serve_task
+
+        task = str(json.loads(os.environ["TF_CONFIG"]).get("task", {}).get("type", "")).lower()
+        if task not in ("chief", "master"):
+            return serve_task(os.environ["TF_CONFIG"])
     if under_launcher():
         return cli.main(["fit", *fit_args])
     experiment = cli.load_experiment(args.config, overrides)
+    launcher = registry.launcher(experiment.trainer.strategy)
     spec = LaunchSpec(
         nproc_per_node=args.nproc_per_node or max(1, sm.num_gpus),
         nnodes=len(sm.hosts),
@@ -162,7 +183,8 @@ def _main(argv: list[str]) -> int:
         master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
         fit_args=fit_args,
         hosts=sm.hosts,
+        num_ps=args.num_ps if launcher.starts_parameter_servers else 0,
     )
-    if spec.nnodes == 1 and spec.nproc_per_node == 1:
+    if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.num_ps:
         return cli.main(["fit", *fit_args])
-    return registry.launcher(experiment.trainer.strategy).launch(spec)
+    return launcher.launch(spec)

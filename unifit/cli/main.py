@@ -92,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--master-addr", default=None)
     launch.add_argument("--master-port", type=int, default=None)
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
-    launch.add_argument("--hosts", default=None, help="comma-separated hosts, for mwms workers on several hosts")
+    launch.add_argument(
+        "--hosts", default=None, help="comma-separated hosts: mwms and parameter-server tasks on several hosts"
+    )
     launch.add_argument(
         "--num-ps", type=int, default=0, help="parameter servers to start (trainer.strategy parameter-server)"
     )

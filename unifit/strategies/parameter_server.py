@@ -74,7 +74,9 @@ class ParameterServerStrategy(TFDistributeStrategy):
     def _connect(self) -> tuple[Any, Any]:
         import tensorflow as tf
 
-        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        from unifit.strategies.tf_server import cluster_resolver
+
+        resolver = cluster_resolver()
         spec = resolver.cluster_spec().as_dict()
         if not spec.get("ps") or not spec.get("worker"):
             raise ConfigError(

@@ -5,14 +5,19 @@
 `unifit launch --num-ps K` starts these itself; on Kubernetes (TFJob) or SageMaker, run this in the PS and Worker
 replicas and `unifit fit` in the Chief. The process serves until it is stopped, or until its parent (the launch
 that started it) ends, so no server outlives its job.
+
+SageMaker's `parameter_server` distribution names the coordinator's task "master" (TensorFlow 1's name), which
+TensorFlow 2's ParameterServerStrategy refuses: every process here reads it as "chief" (`cluster_resolver`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
+from typing import Any
 
 END_WITH_PARENT = "UNIFIT_END_WITH_PARENT"  # set by the launch that started this process: end when it ends
 
@@ -25,13 +30,30 @@ def end_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
+def cluster_resolver(raw: str | None = None) -> Any:
+    """A resolver for TF_CONFIG (`raw`, default the environment's), with a "master" task read as "chief"."""
+    import tensorflow as tf
+
+    config = json.loads(os.environ.get("TF_CONFIG", "{}") if raw is None else raw)
+    cluster, task = dict(config.get("cluster") or {}), dict(config.get("task") or {})
+    if "master" in cluster and "chief" not in cluster:
+        cluster["chief"] = cluster.pop("master")
+        task["type"] = "chief" if str(task.get("type")).lower() == "master" else task.get("type")
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster),
+        task_type=str(task.get("type", "")).lower() or None,
+        task_id=int(task.get("index", 0)),
+        rpc_layer=config.get("rpc_layer") or "grpc",
+    )
+
+
 def main() -> int:
     if os.environ.get(END_WITH_PARENT) == "1":
         end_with_parent()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    resolver = cluster_resolver()
     if resolver.task_type not in ("ps", "worker"):
         print(
             f"unifit: error: TF_CONFIG task type {resolver.task_type!r}: this module serves 'ps' and 'worker' tasks; "
@@ -46,7 +68,7 @@ def main() -> int:
         resolver.cluster_spec(),
         job_name=resolver.task_type,
         task_index=resolver.task_id,
-        protocol=resolver.rpc_layer or "grpc",
+        protocol=resolver.rpc_layer,
         config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads),
         start=True,
     )
