@@ -84,14 +84,15 @@ def test_two_hosts_train_a_compiled_keras_model_and_a_killed_parameter_server_en
     """Two hosts (127.0.0.1 and 127.0.0.2: one machine, the ports numbered across hosts), each with one worker and
     one parameter server, the chief on the first; the module a compiled Keras model, built before the Trainer as
     users write it (the chief connects to the cluster when the Trainer is made, so its variables are the
-    cluster's). Killing parameter server 0 ends the chief, and the second host's launch once the chief is gone."""
+    cluster's), the data tf.data pipelines batched by 8 (each worker reads the whole training pipeline, repeated).
+    Killing parameter server 0 ends the chief, and the second host's launch once the chief is gone."""
     experiment = tmp_path / "compiled.yaml"
     experiment.write_text(
         json.dumps(
             {
                 "module": {"class_path": "tests.probe.keras_compiled_probe.compiled_model", "init_args": {}},
-                "data": {"class_path": "tests.probe.keras_compiled_probe.Data"},
-                "trainer": {"batch_size": 8, "seed": 0, "progress_bar": False, "collective_timeout_s": 60},
+                "data": {"class_path": "tests.probe.keras_compiled_probe.PipelineData"},
+                "trainer": {"seed": 0, "progress_bar": False, "collective_timeout_s": 60},
             }
         )
     )

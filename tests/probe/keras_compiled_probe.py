@@ -55,6 +55,20 @@ class Data:
         return arrays(N_VAL, seed=2)
 
 
+class PipelineData(Data):
+    """The same data as tf.data pipelines, shuffled and batched by 8 as users write them."""
+
+    def train_dataset(self):
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices(arrays(N_TRAIN, seed=1)).shuffle(N_TRAIN).batch(8)
+
+    def val_dataset(self):
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices(arrays(N_VAL, seed=2)).batch(8)
+
+
 def _replicas_identical(model) -> bool:
     for v in model.weights:
         tf_var = getattr(v, "value", v)

@@ -99,18 +99,14 @@ class ParameterServerStrategy(TFDistributeStrategy):
 
     # ---- the engine's seams (KerasTraining) ---------------------------------------------------
     def distribute(self, dist: Any, dataset_fn: Any, training: bool) -> Any:
-        """Training: a dataset on every worker (each its own stream). Evaluation: read here, batch by batch."""
+        """Training: a dataset on every worker (each its own stream). Evaluation: read here, batch by batch.
+        The training dataset is built here and handed over as a dataset: TensorFlow rebuilds its graph on each
+        worker (a user's tf.data pipeline included; one captured in a function would be a tensor that cannot
+        be copied to a worker: "Unable to parse tensor proto")."""
         import tensorflow as tf
 
-        if not training:
-            return dataset_fn(tf.distribute.InputContext())
-        strategy = self.tf_strategy
-
-        @tf.function
-        def per_worker() -> Any:
-            return strategy.distribute_datasets_from_function(dataset_fn)
-
-        return self.coordinator.create_per_worker_dataset(per_worker)
+        dataset = dataset_fn(tf.distribute.InputContext())
+        return self.coordinator.create_per_worker_dataset(dataset) if training else dataset
 
     def run_step(self, step: Any, argument: Any) -> Any:
         """Scheduled on a free worker; its outputs come back as values fetched when read."""

@@ -112,11 +112,6 @@ class KerasEngine(KerasEvaluation, Engine):
         self.train_lazy = self.val_lazy = None
         self.train_arrays = self.val_arrays = None
         self._train_iter, self._train_next = None, None
-        if isinstance(train, tf.data.Dataset) and self.training.per_worker_stream:
-            raise ConfigError(
-                f"train_dataset(): a tf.data pipeline; {name} streams in-memory arrays (x, y[, sample_weight]) to "
-                "its workers and does not read pipelines yet; return arrays, or use mwms or horovod"
-            )
         if isinstance(train, tf.data.Dataset):  # a pipeline: read lazily, each worker its own part
             self.train_lazy = lazy = self._lazy(train, "train_dataset()", presharded, endless_ok=True)
             if lazy.endless:  # as model.fit: an endless stream needs steps_per_epoch, and is read on across epochs
@@ -345,9 +340,18 @@ class KerasEngine(KerasEvaluation, Engine):
         return self.training.distribute(self.dist, dataset_fn, training)
 
     def _stream(self) -> Iterator[Any]:
-        """Each worker's own endless stream of the training data (shuffled on the worker, unseeded, so the
-        workers read different orders), batched by the step's batch size."""
-        data, size = tuple(self.train_arrays[:3]), self.local_batch
+        """Each worker's own endless stream of the training data, batched by the step's batch size: arrays
+        shuffled on the worker (unseeded, so the workers read different orders); a tf.data pipeline read
+        whole on every worker, repeated, in its own order (its own shuffle, if it has one)."""
+        size = self.local_batch
+        if self.train_lazy is not None:
+            pipeline = self.train_lazy.dataset
+
+            def pipeline_fn(context: Any) -> Any:
+                return pipeline.repeat().batch(size, drop_remainder=True)
+
+            return iter(self.training.distribute(self.dist, pipeline_fn, training=True))
+        data = tuple(self.train_arrays[:3])
 
         def dataset_fn(context: Any) -> Any:
             n = len(data[0])
@@ -358,14 +362,14 @@ class KerasEngine(KerasEvaluation, Engine):
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         if skip >= self._batches:  # resumed from a checkpoint taken after the epoch's last step
             return
-        if self.train_lazy is not None:
-            yield from self._lazy_train_batches(epoch, skip)
-            return
         if self.training.per_worker_stream:  # one stream per worker for the whole fit: steps dequeue from it
             self._train_iter = self._train_iter or self._stream()
             for _ in range(skip, self._batches):
                 self.collector.batch_count = self.local_batch
                 yield self._train_iter
+            return
+        if self.train_lazy is not None:
+            yield from self._lazy_train_batches(epoch, skip)
             return
         n = len(self.train_arrays[0])
         order = np.random.default_rng(self.config.seed + epoch).permutation(n)
