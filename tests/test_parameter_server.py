@@ -1,8 +1,8 @@
 """strategy: parameter-server (TensorFlow's ParameterServerStrategy + ClusterCoordinator), real processes: `unifit
-launch --num-ps 1` starts a parameter server, 2 workers (tf.distribute.Server) and the chief that coordinates.
+launch --num-ps 2` starts 2 parameter servers, 2 workers (tf.distribute.Server) and the chief that coordinates.
 
-The Keras digits train asynchronously to a useful accuracy, a worker killed with SIGKILL mid-run is left behind
-and the run finishes, the coordinator's checkpoint holds the variables (a one-process validation of it equals the
+The Keras digits train asynchronously to a useful accuracy (the hidden kernel partitioned over the 2 parameter
+servers), a worker killed with SIGKILL mid-run is left behind and the run finishes, the coordinator's checkpoint holds the variables (a one-process validation of it equals the
 value logged at that epoch) and a fit resumes from it; a parameter server or the chief killed mid-run ends every process with
 one line; two hosts (two launches, 127.0.0.1 and 127.0.0.2) make one cluster; bad input is one line, exit 2."""
 
@@ -25,8 +25,12 @@ from unifit.strategies.launchers.tf_config import _free_ports
 DIGITS = "examples/digits/keras.yaml"
 
 
+# the hidden layer's 64 x 64 kernel (16 KiB) in 2 shards, one on each parameter server; the rest whole
+SHARDED = json.dumps({"max_shards": 2, "min_shard_bytes": 4096})
+
+
 def _cluster(root: Path, *overrides: str) -> list[str]:
-    head = ["launch", "--nproc-per-node", "2", "--num-ps", "1", "-c", DIGITS]
+    head = ["launch", "--nproc-per-node", "2", "--num-ps", "2", "-c", DIGITS, "--trainer.strategy_options", SHARDED]
     return [*head, "--trainer.strategy", "parameter-server", "--trainer.root_dir", str(root), *overrides]
 
 
@@ -47,10 +51,11 @@ def _kill_task_after_first_epoch(proc, root: Path, kind: str, index: int = 0) ->
 @pytest.mark.timeout(300)
 def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_with_a_killed_chief(cli, tmp_path):
     run = tmp_path / "run"
-    proc = start_unifit(*_cluster(run, "--trainer.max_epochs", "5"))
+    proc = start_unifit(*_cluster(run, "--trainer.max_epochs", "5", "--trainer.export_dir", str(tmp_path / "export")))
     _kill_task_after_first_epoch(proc, run, "worker", 1)
     out, err = stop(proc, timeout=200)
     assert proc.returncode == 0, err[-3000:]
+    assert "sequential/dense/kernel in 2 shards" in err, err[-3000:]
     assert "worker 1 ended (exit -9); the coordinator runs its steps on the other workers" in err
     lines = metrics_lines(run)
     assert [line["epoch"] for line in lines] == [1, 2, 3, 4, 5]
@@ -66,6 +71,12 @@ def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_
     validated = json.loads((checked / "validate.json").read_text())["metrics"]
     assert validated["val/acc"] == pytest.approx(lines[-1]["val/acc"], abs=1e-6)
     assert validated["val/loss"] == pytest.approx(lines[-1]["val/loss"], rel=1e-5)
+    # the exported weights of the partitioned model load into one that is not
+    from examples.digits.keras_module import DigitsKeras
+
+    plain = DigitsKeras().build_model()
+    plain.load_weights(tmp_path / "export" / "model.weights.h5")
+    assert plain.layers[0].kernel.shape == (64, 64)
     # a fit goes on from it, at its step; its chief (the coordinator) killed then ends every process in one line
     resumed = tmp_path / "resumed"
     proc = start_unifit(*_cluster(resumed, "--trainer.max_epochs", "40", "--ckpt-path", str(last)))

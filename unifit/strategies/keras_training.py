@@ -4,6 +4,7 @@ The defaults are one process's."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 
@@ -23,6 +24,20 @@ class KerasTraining:
 
     def broadcast_variables(self, variables: list[Any]) -> None:
         """Give every process rank 0's values of these variables (no-op by default)."""
+
+    def prepare_model(self, model: Any) -> None:
+        """Called once the model is built, before any step (nothing by default; parameter-server makes a
+        partitioned variable checkpoint as one whole variable)."""
+
+    def whole_variables(self, model: Any) -> AbstractContextManager[None]:
+        """While saving the model's weights outside a checkpoint (export), every variable reads as one array
+        (parameter-server: a partitioned one is gathered from its shards)."""
+        return nullcontext()
+
+    def gradient_targets(self, variables: list[Any]) -> list[Any]:
+        """The variables gradients are taken against and the optimizer updates: the model's trainable ones
+        (parameter-server: a partitioned variable's shards, which Keras 3 cannot differentiate as one)."""
+        return variables
 
     # ---- how steps run and data reaches them: the default runs here, now; parameter-server schedules them
     per_worker_stream = False  # True: each worker reads its own endless shuffled stream of the training data

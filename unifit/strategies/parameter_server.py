@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from unifit.errors import ConfigError, DistributedError, error_prefix, first_line
 from unifit.strategies.tf_distribute import TFDistributeStrategy
@@ -41,6 +43,13 @@ class ParameterServerOptions(BaseModel):
     """trainer.strategy_options for parameter-server (the cluster's size comes from `unifit launch`)."""
 
     model_config = ConfigDict(extra="forbid")
+    max_shards: int = Field(
+        1,
+        ge=1,
+        description="split each variable of at least min_shard_bytes into up to this many shards along its first "
+        "axis, placed round-robin over the parameter servers (large embeddings); 1: every variable whole",
+    )
+    min_shard_bytes: int = Field(256 << 10, ge=1, description="the smallest shard a variable is split into")
 
 
 class ParameterServerStrategy(TFDistributeStrategy):
@@ -65,7 +74,7 @@ class ParameterServerStrategy(TFDistributeStrategy):
         self.watchdog = CollectiveWatchdog(self.collective_timeout_s, error_prefix(self.rank))
 
     def _make(self) -> Any:
-        key = os.environ.get("TF_CONFIG", "")
+        key = f"{os.environ.get('TF_CONFIG', '')} {self.options.max_shards} {self.options.min_shard_bytes}"
         if key not in _CONNECTED:  # one connection per process, as TensorFlow allows
             _CONNECTED[key] = self._connect()
         self.coordinator = _CONNECTED[key][1]
@@ -84,12 +93,19 @@ class ParameterServerStrategy(TFDistributeStrategy):
                 f"with 'worker' and 'ps' tasks; received {os.environ.get('TF_CONFIG')!r}); start it with: unifit "
                 "launch --nproc-per-node N --num-ps K -c exp.yaml --trainer.strategy parameter-server"
             )
-        strategy = tf.distribute.ParameterServerStrategy(resolver)
+        shards, min_bytes = self.options.max_shards, self.options.min_shard_bytes
+        partitioner = (
+            tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_bytes, max_shards=shards)
+            if shards > 1
+            else None
+        )
+        strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         log.info(
-            "parameter-server: %d worker(s), %d parameter server(s); this process coordinates",
+            "parameter-server: %d worker(s), %d parameter server(s)%s; this process coordinates",
             len(spec.get("worker", [])),
             len(spec.get("ps", [])),
+            f", variables of {min_bytes} bytes or more in up to {shards} shards" if partitioner else "",
         )
         return strategy, coordinator
 
@@ -131,9 +147,58 @@ class ParameterServerStrategy(TFDistributeStrategy):
         except _lost_errors() as exc:
             raise _lost(exc, f"waiting for the scheduled steps before {what}") from None
 
+    def prepare_model(self, model: Any) -> None:
+        """A partitioned variable (a Keras variable holding a ShardedVariable) checkpoints and exports as one
+        whole variable, the same entry as in a model that is not partitioned: its shards are read and
+        concatenated here, on the chief, and a restored value is split over them (any layout restores any)."""
+        import tensorflow as tf
+
+        for variable in model.variables:
+            sharded = _sharded(variable)
+            if sharded is None:
+                continue
+            log.info("parameter-server: %s in %d shards", variable.path, len(sharded.variables))
+            variable._serialize_to_tensors = lambda sharded=sharded: {"VARIABLE_VALUE": tf.convert_to_tensor(sharded)}
+            variable._restore_from_tensors = lambda restored, sharded=sharded: sharded.assign(
+                restored["VARIABLE_VALUE"]
+            )
+            variable.numpy = lambda sharded=sharded: tf.convert_to_tensor(sharded).numpy()  # get_weights()
+
+    @contextmanager
+    def whole_variables(self, model: Any) -> Iterator[None]:
+        """Export (Keras' save_weights reads each variable as an array): a partitioned variable holds its
+        gathered value meanwhile, then its shards again."""
+        import tensorflow as tf
+
+        swapped = [(variable, variable._value) for variable in model.variables if _sharded(variable) is not None]
+        for variable, sharded in swapped:
+            variable._value = tf.convert_to_tensor(sharded)
+        try:
+            yield
+        finally:
+            for variable, sharded in swapped:
+                variable._value = sharded
+
+    def gradient_targets(self, variables: list[Any]) -> list[Any]:
+        """A partitioned variable's shards stand for it (Keras 3 cannot take a gradient of a ShardedVariable:
+        "no attribute 'handle'"); the optimizer keeps its state per shard."""
+        targets: list[Any] = []
+        for variable in variables:
+            sharded = _sharded(variable)
+            targets += list(sharded.variables) if sharded is not None else [variable]
+        return targets
+
     # ---- collectives: the coordinator is the only process of unifit's loop --------------------
     def _all_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
         return values
+
+
+def _sharded(variable: Any) -> Any:
+    """The ShardedVariable a Keras variable holds, or None."""
+    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+
+    value = getattr(variable, "value", None)
+    return value if isinstance(value, ShardedVariable) else None
 
 
 def _lost_errors() -> tuple[type[Exception], ...]:

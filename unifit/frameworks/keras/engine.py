@@ -185,7 +185,9 @@ class KerasEngine(KerasEvaluation, Engine):
             x_shape = self.train_lazy.x_shape if self.train_lazy is not None else self.train_arrays[0].shape[1:]
             if x_shape is not None:
                 model.build(tuple([None, *x_shape]))
-            self.step_optimizer.build(model.trainable_variables)
+            self.training.prepare_model(model)
+            self.targets = self.training.gradient_targets(model.trainable_variables)
+            self.step_optimizer.build(self.targets)
         self.training.broadcast_variables(model.variables + self.step_optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
         self.module.trained_optimizer = self.optimizer
@@ -244,7 +246,7 @@ class KerasEngine(KerasEvaluation, Engine):
                         regularization = tf.add_n([tf.cast(r, tf.float32) for r in module.model.losses])
                         loss += tf.nn.scale_regularization_loss(regularization)
                     scaled = precision.scale_loss(loss)
-                grads = tape.gradient(scaled, module.model.trainable_variables)
+                grads = tape.gradient(scaled, self.targets)
             else:
                 per_example, y_pred = evaluate(x, y)
                 per_example = weighted(per_example, weights)
@@ -262,7 +264,7 @@ class KerasEngine(KerasEvaluation, Engine):
         def replica_step(x: Any, y: Any, weights: Any = None) -> dict[str, Any]:
             grads, sums = forward(x, y, weights)
             if train:
-                variables = module.model.trainable_variables
+                variables = self.targets
                 grads = self.training.reduce_gradients(grads)  # scaled alike on every rank (one loss scale)
                 if clip is not None:
                     grads, _ = tf.clip_by_global_norm(grads, precision.clip_norm(clip))
@@ -565,7 +567,8 @@ class KerasEngine(KerasEvaluation, Engine):
         folder = tempfile.mkdtemp(prefix="unifit-tf-export-")
         try:
             path = os.path.join(folder, "model.weights.h5")
-            self.module.model.save_weights(path)
+            with self.training.whole_variables(self.module.model):
+                self.module.model.save_weights(path)
             return {"model.weights.h5": open(path, "rb").read()}
         finally:
             shutil.rmtree(folder, ignore_errors=True)
