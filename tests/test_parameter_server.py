@@ -3,7 +3,8 @@ launch --num-ps 2` starts 2 parameter servers, 2 workers (tf.distribute.Server) 
 
 The Keras digits train asynchronously to a useful accuracy (the hidden kernel partitioned over the 2 parameter
 servers), a worker killed with SIGKILL mid-run is left behind and the run finishes, the coordinator's checkpoint holds the variables (a one-process validation of it equals the
-value logged at that epoch) and a fit resumes from it; a parameter server or the chief killed mid-run ends every process with
+value logged at that epoch) and a fit resumes from it; SIGTERM to the whole job stops the chief with a checkpoint
+(the servers serve on until it is written); a parameter server or the chief killed mid-run ends every process with
 one line; two hosts (two launches, 127.0.0.1 and 127.0.0.2) make one cluster; bad input is one line, exit 2."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -34,12 +36,17 @@ def _cluster(root: Path, *overrides: str) -> list[str]:
     return [*head, "--trainer.strategy", "parameter-server", "--trainer.root_dir", str(root), *overrides]
 
 
-def _kill_task_after_first_epoch(proc, root: Path, kind: str, index: int = 0) -> float:
-    """SIGKILL the launch's `kind` task (ps, worker or chief) once the first epoch is logged; when it was."""
+def _wait_for_first_epoch(proc, root: Path, lines_before: int = 0) -> None:
+    """Until the run (whose root already holds `lines_before` metrics lines) logs its first epoch."""
     deadline = time.time() + 120
-    while not (root / "metrics.jsonl").exists() or not metrics_lines(root):
+    while not (root / "metrics.jsonl").exists() or len(metrics_lines(root)) <= lines_before:
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before its first epoch"
         time.sleep(0.2)
+
+
+def _kill_task_after_first_epoch(proc, root: Path, kind: str, index: int = 0, lines_before: int = 0) -> float:
+    """SIGKILL the launch's `kind` task (ps, worker or chief) once the first epoch is logged; when it was."""
+    _wait_for_first_epoch(proc, root, lines_before)
     for child in psutil.Process(proc.pid).children(recursive=True):
         task = json.loads(child.environ().get("TF_CONFIG", "{}")).get("task", {})
         if task == {"type": kind, "index": index}:
@@ -48,8 +55,8 @@ def _kill_task_after_first_epoch(proc, root: Path, kind: str, index: int = 0) ->
     raise AssertionError(f"no {kind} {index} task among the launch's processes")
 
 
-@pytest.mark.timeout(300)
-def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_with_a_killed_chief(cli, tmp_path):
+@pytest.mark.timeout(400)
+def test_trains_past_a_killed_worker_checkpoints_resumes_is_preempted_and_ends_with_a_killed_chief(cli, tmp_path):
     run = tmp_path / "run"
     proc = start_unifit(*_cluster(run, "--trainer.max_epochs", "5", "--trainer.export_dir", str(tmp_path / "export")))
     _kill_task_after_first_epoch(proc, run, "worker", 1)
@@ -77,14 +84,26 @@ def test_trains_past_a_killed_worker_checkpoints_the_variables_resumes_and_ends_
     plain = DigitsKeras().build_model()
     plain.load_weights(tmp_path / "export" / "model.weights.h5")
     assert plain.layers[0].kernel.shape == (64, 64)
-    # a fit goes on from it, at its step; its chief (the coordinator) killed then ends every process in one line
+    # a fit goes on from it, at its step; SIGTERM to every process of the job at once (scancel, a terminal's
+    # Ctrl-C): the servers serve on while the chief stops at a step boundary with a checkpoint
     resumed = tmp_path / "resumed"
     proc = start_unifit(*_cluster(resumed, "--trainer.max_epochs", "40", "--ckpt-path", str(last)))
     children = psutil.Process(proc.pid).children(recursive=True)
-    killed_at = _kill_task_after_first_epoch(proc, resumed, "chief")
+    _wait_for_first_epoch(proc, resumed)
+    os.killpg(proc.pid, signal.SIGTERM)
     out, err = stop(proc, timeout=90)
     assert "resumed from" in err and "(epoch 5, step 225)" in err, err[-3000:]
     assert (metrics_lines(resumed)[0]["epoch"], metrics_lines(resumed)[0]["step"]) == (6, 270)
+    assert proc.returncode == 128 + signal.SIGTERM and "preempted by SIGTERM" in err, err[-3000:]
+    preempted = json.loads((resumed / "checkpoints" / "last.json").read_text())
+    assert preempted["global_step"] >= 270, preempted
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    # and on from that checkpoint; its chief (the coordinator) killed then ends every process in one line
+    proc = start_unifit(*_cluster(resumed, "--trainer.max_epochs", "40", "--ckpt-path", "auto"))
+    children = psutil.Process(proc.pid).children(recursive=True)
+    killed_at = _kill_task_after_first_epoch(proc, resumed, "chief", lines_before=len(metrics_lines(resumed)))
+    out, err = stop(proc, timeout=90)
+    assert f"(epoch {preempted['epoch']}, step {preempted['global_step']}" in err, err[-3000:]
     _ended_in_one_line(proc, err, children, killed_at, "the chief (the coordinator) died (killed by SIGKILL)")
 
 

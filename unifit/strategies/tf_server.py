@@ -4,7 +4,8 @@
 
 `unifit launch --num-ps K` starts these itself; on Kubernetes (TFJob) or SageMaker, run this in the PS and Worker
 replicas and `unifit fit` in the Chief. The process serves until it is stopped, or until its parent (the launch
-that started it) ends, so no server outlives its job.
+that started it) ends, so no server outlives its job; one started by a launch ignores SIGTERM and SIGINT (the launch
+stops it once the chief, which needs it to checkpoint, has ended).
 
 SageMaker's `parameter_server` distribution names the coordinator's task "master" (TensorFlow 1's name), which
 TensorFlow 2's ParameterServerStrategy refuses: every process here reads it as "chief" (`cluster_resolver`).
@@ -49,7 +50,12 @@ def cluster_resolver(raw: str | None = None) -> Any:
 
 def main() -> int:
     if os.environ.get(END_WITH_PARENT) == "1":
-        end_with_parent()
+        # the launch that started it stops it (SIGKILL: a server has nothing to save), after the chief ended: a
+        # SIGTERM or Ctrl-C sent to the whole job (SLURM's scancel, a terminal, `timeout`) also reaches this
+        # process, and the chief needs every server while it writes its last checkpoint
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end_with_parent(signal.SIGKILL)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 

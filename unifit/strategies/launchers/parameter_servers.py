@@ -21,6 +21,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from unifit.errors import ConfigError
 from unifit.strategies.launchers.base import LaunchSpec, death_signal, fit_command, rank_environment
@@ -92,23 +95,19 @@ class ParameterServerLauncher(TFConfigLauncher):
 
         def forward(signum: int, frame: object) -> None:  # the chief stops at a step boundary, checkpointed
             received.append(signum)
-            if chief is None:
-                raise KeyboardInterrupt  # another host: its servers are stopped below
-            if chief.poll() is None:
+            if chief is not None and chief.poll() is None:
                 chief.send_signal(signum)
 
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            if chief is not None:
-                code = _wait(chief, servers, every_worker=len(cluster["worker"]) == spec.nproc_per_node)
-            else:
-                code = _serve_until_the_chief_ends(cluster["chief"][0], servers)
-        except KeyboardInterrupt:
-            code = 1
+            with _on_stop_signals(forward):
+                if chief is not None:
+                    code = _wait(chief, servers, every_worker=len(cluster["worker"]) == spec.nproc_per_node)
+                else:  # another host: its servers serve on until the chief has checkpointed and ended
+                    code = _serve_until_the_chief_ends(cluster["chief"][0], servers, received)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            _stop([p for p in (chief, *servers.values()) if p is not None], 10.0)
+            if chief is not None:
+                _stop([chief], 10.0)
+            _kill(list(servers.values()))
         return 128 + received[0] if received and code != 0 else code
 
 
@@ -167,11 +166,13 @@ def _wait(chief: subprocess.Popen, servers: dict[Task, subprocess.Popen], every_
         time.sleep(0.2)
 
 
-def _serve_until_the_chief_ends(chief: str, servers: dict[Task, subprocess.Popen]) -> int:
+def _serve_until_the_chief_ends(chief: str, servers: dict[Task, subprocess.Popen], signalled: list[int]) -> int:
     """Another host's launch: keep this host's servers until the chief's address (which its coordinator listens
-    on) stops answering, reporting servers that end; 0, or 1 when one of this host's parameter servers ended."""
+    on) stops answering, reporting servers that end; 0, or 1 when one of this host's parameter servers ended.
+    After a SIGTERM or SIGINT (in `signalled`) the chief has CHIEF_GRACE_S to checkpoint and end."""
     reported: set[Task] = set()
     lost_ps, seen, started, silent = False, False, time.time(), 0
+    signalled_at: float | None = None
     while True:
         lost_ps = _report_ended(servers, reported) or lost_ps
         answered = _answers(chief)
@@ -179,6 +180,15 @@ def _serve_until_the_chief_ends(chief: str, servers: dict[Task, subprocess.Popen
         if seen and silent >= 3:
             print(f"unifit: the chief at {chief} ended; stopping this host's servers", file=sys.stderr)
             return 1 if lost_ps else 0
+        if signalled and signalled_at is None:
+            signalled_at = time.time()
+            print(
+                f"unifit: received {signal.Signals(signalled[0]).name}: this host's servers serve on until the chief "
+                f"has checkpointed and ended (at most {CHIEF_GRACE_S:g}s)",
+                file=sys.stderr,
+            )
+        if signalled_at is not None and time.time() - signalled_at > CHIEF_GRACE_S:
+            return 128 + signalled[0]
         if not seen and time.time() - started > CHIEF_START_S:
             print(
                 f"unifit: error: the chief at {chief} did not answer within {CHIEF_START_S:g}s; start the same "
@@ -208,7 +218,30 @@ def serve_task(tf_config: str) -> int:
     chief = (cluster.get("chief") or cluster.get("master"))[0]
     env = {**rank_environment(ranks_per_node=1), "TF_CONFIG": tf_config, END_WITH_PARENT: "1"}
     server = subprocess.Popen(SERVER, env=env)
+    received: list[int] = []
     try:
-        return _serve_until_the_chief_ends(chief, {(str(task["type"]).lower(), int(task["index"])): server})
+        with _on_stop_signals(lambda signum, frame: received.append(signum)):
+            return _serve_until_the_chief_ends(
+                chief, {(str(task["type"]).lower(), int(task["index"])): server}, received
+            )
     finally:
-        _stop([server], 10.0)
+        _kill([server])
+
+
+@contextmanager
+def _on_stop_signals(handler: Any) -> Iterator[None]:
+    """SIGTERM and SIGINT call `handler` meanwhile."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, restored in previous.items():
+            signal.signal(sig, restored)
+
+
+def _kill(servers: list[subprocess.Popen]) -> None:
+    """Servers ignore SIGTERM (see tf_server) and have nothing to save."""
+    for server in servers:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
