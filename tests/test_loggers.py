@@ -464,3 +464,10 @@ def test_no_op_experiments_take_lightnings_idioms_and_a_module_keeps_its_own_log
     module = OwnLogger()
     module.use_loggers(["run's"])
     assert module.logger is stdlib_logging.getLogger("mine") and module.loggers == ["run's"]
+
+
+def test_a_tensorboard_log_dir_that_is_a_url_is_refused_with_the_option_that_syncs_there():
+    """Event files are appended to while training runs, which object stores cannot do: they are written locally
+    and mirrored by trainer.tensorboard.sync_to; a URL as log_dir is one line naming that option."""
+    with pytest.raises(unifit.ConfigError, match=r"tensorboard.log_dir.*set trainer.tensorboard.sync_to: s3://b/tb"):
+        unifit.Trainer(tensorboard={"log_dir": "s3://b/tb"})

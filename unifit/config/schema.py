@@ -95,6 +95,17 @@ class TensorBoardConfig(_Strict):
         4.0, description="Start a new event file past this size, so a sync never re-uploads a large file."
     )
 
+    @field_validator("log_dir")
+    @classmethod
+    def _local(cls, value: str | None) -> str | None:
+        """Event files are appended to as training runs, which object stores cannot do: they are synced there."""
+        if value is not None and "://" in value:
+            raise ValueError(
+                "event files are written to a local directory: leave log_dir out (or give a "
+                f"local one) and set trainer.tensorboard.sync_to: {value} to mirror them there"
+            )
+        return value
+
 
 class TensorBoardLoggerConfig(_Strict):
     """`tensorboard` in trainer.loggers; its options are trainer.tensorboard's."""
