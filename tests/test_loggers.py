@@ -466,8 +466,10 @@ def test_no_op_experiments_take_lightnings_idioms_and_a_module_keeps_its_own_log
     assert module.logger is stdlib_logging.getLogger("mine") and module.loggers == ["run's"]
 
 
-def test_a_tensorboard_log_dir_that_is_a_url_is_refused_with_the_option_that_syncs_there():
-    """Event files are appended to while training runs, which object stores cannot do: they are written locally
-    and mirrored by trainer.tensorboard.sync_to; a URL as log_dir is one line naming that option."""
-    with pytest.raises(unifit.ConfigError, match=r"tensorboard.log_dir.*set trainer.tensorboard.sync_to: s3://b/tb"):
-        unifit.Trainer(tensorboard={"log_dir": "s3://b/tb"})
+def test_a_tensorboard_log_dir_that_is_a_url_is_written_locally_and_synced_there():
+    """Event files are appended to while training runs, which object stores cannot do: a URL as log_dir is
+    written to a temporary local directory and mirrored there (as sync_to; tests/test_s3.py syncs for real)."""
+    config = unifit.Trainer(tensorboard={"log_dir": "s3://b/tb"}).config
+    assert (config.tensorboard_dir, config.tensorboard_sync_to) == (None, "s3://b/tb")
+    local = unifit.Trainer(tensorboard={"log_dir": "tb", "sync_to": "s3://b/tb"}).config
+    assert (local.tensorboard_dir, local.tensorboard_sync_to) == ("tb", "s3://b/tb")

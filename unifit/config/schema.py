@@ -79,7 +79,7 @@ class TensorBoardConfig(_Strict):
     enabled: bool = Field(True, description="Write TensorBoard event files.")
     log_dir: str | None = Field(
         None,
-        description="Local directory for event files; default <root_dir>/tensorboard (a temporary directory when root_dir is a URL).",
+        description="Directory for event files; default <root_dir>/tensorboard. A URL (s3://...): written to a temporary local directory and synced there, as sync_to does.",
     )
     log_every_n_steps: PositiveInt = Field(
         50, description="Also write the step loss and lr every N optimizer steps (epoch metrics are always written)."
@@ -94,17 +94,6 @@ class TensorBoardConfig(_Strict):
     rotate_mb: PositiveFloat = Field(
         4.0, description="Start a new event file past this size, so a sync never re-uploads a large file."
     )
-
-    @field_validator("log_dir")
-    @classmethod
-    def _local(cls, value: str | None) -> str | None:
-        """Event files are appended to as training runs, which object stores cannot do: they are synced there."""
-        if value is not None and "://" in value:
-            raise ValueError(
-                "event files are written to a local directory: leave log_dir out (or give a "
-                f"local one) and set trainer.tensorboard.sync_to: {value} to mirror them there"
-            )
-        return value
 
 
 class TensorBoardLoggerConfig(_Strict):
@@ -505,16 +494,19 @@ class TrainerConfig(_Strict):
     @property
     def tensorboard_dir(self) -> str | None:
         """Always local (event files are written locally and synced); None: a temporary directory."""
-        if self.tensorboard.log_dir:
-            return self.tensorboard.log_dir
+        if self.tensorboard.log_dir:  # a URL: event files are appended to as training runs, so they are synced there
+            return None if "://" in self.tensorboard.log_dir else self.tensorboard.log_dir
         return None if "://" in self.root_dir else join_path(self.root_dir, "tensorboard")
 
     @property
     def tensorboard_sync_to(self) -> str | None:
-        """Where event files are mirrored: `sync_to`, or <root_dir>/tensorboard for a URL root_dir."""
-        if self.tensorboard.sync_to or "://" not in self.root_dir or self.tensorboard.log_dir:
+        """Where event files are mirrored: `sync_to`, a URL log_dir, or <root_dir>/tensorboard for a URL root_dir."""
+        log_dir = self.tensorboard.log_dir
+        if self.tensorboard.sync_to or (log_dir and "://" not in log_dir):
             return self.tensorboard.sync_to
-        return join_path(self.root_dir, "tensorboard")
+        if log_dir:  # a URL
+            return log_dir
+        return None if "://" not in self.root_dir else join_path(self.root_dir, "tensorboard")
 
 
 class ExperimentConfig(_Strict):
