@@ -11,18 +11,24 @@ sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole
   unifit shards with FSDP2 what the module's configure_model did not;
 - clipping takes the norm over every shard of every mesh; checkpoints are DCP's (fsdp's), so they resume on
   another layout (this one at another size, fsdp, or one process).
-Pipeline parallelism is not built yet.
+With `pipeline_parallel` P the mesh gets a third, outermost dimension: the network is split by layers into P
+stages over consecutive blocks of ranks, micro-batches run through torch.distributed.pipelining's schedules
+(pipeline.py), and the data-parallel ranks of a stage hold replicas of it (gradients averaged, as ddp); tensor
+parallelism does not combine with it yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
-from typing import Any, Literal
+from concurrent.futures import Future
+from typing import Any, Iterable, Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from unifit.errors import ConfigError
+from unifit.strategies import sharded_state
 from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
 from unifit.strategies.torch_device import torch_device
 
@@ -30,6 +36,7 @@ log = logging.getLogger("unifit")
 
 Style = Literal["colwise", "rowwise", "colwise_gather"]
 DIMS = ("data_parallel", "tensor_parallel")
+PIPELINE_DIMS = ("pipeline_parallel", *DIMS)  # with pipeline stages: the outermost dimension
 
 
 class ModelParallelOptions(FSDPOptions):
@@ -45,7 +52,25 @@ class ModelParallelOptions(FSDPOptions):
     data_parallel: Literal["auto"] | PositiveInt = Field(
         "auto", description="the model replicas: world size / tensor_parallel (auto), or that number, checked"
     )
-    pipeline_parallel: PositiveInt = Field(1, description="1: pipeline stages are not built yet")
+    pipeline_parallel: PositiveInt = Field(
+        1,
+        description="stages the network is split into by layers (consecutive blocks of ranks; the data-parallel "
+        "ranks of a stage hold replicas of it); must divide the world size with tensor_parallel",
+    )
+    split_points: list[str] | None = Field(
+        None,
+        description="pipeline: module names (as in named_modules(), inside the network the steps call, e.g. "
+        "net.blocks.2) where stages 1, 2, ... begin; none: the longest ModuleList or Sequential split evenly",
+    )
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b",
+        description="pipeline: gpipe (every micro-batch forward, then backward) or 1f1b (interleaved: less memory)",
+    )
+    microbatches: PositiveInt | None = Field(
+        None,
+        description="pipeline: micro-batches per training batch (default: pipeline_parallel); trainer.batch_size "
+        "must be a multiple; a smaller last or validation batch is cut into the most equal parts up to it",
+    )
     plan: dict[str, Style] | Literal["auto"] | None = Field(
         None,
         description="the split, where the module's configure_model() does not make it. auto: the model's own plan "
@@ -67,15 +92,19 @@ class ModelParallelOptions(FSDPOptions):
             )
         return self
 
-    @field_validator("pipeline_parallel")
-    @classmethod
-    def _no_stages_yet(cls, stages: int) -> int:
-        if stages != 1:
+    @model_validator(mode="after")
+    def _pipeline_options(self) -> ModelParallelOptions:
+        if self.pipeline_parallel == 1:
+            given = [n for n in ("split_points", "microbatches") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} split a pipeline: set pipeline_parallel above 1, or drop them")
+        elif self.tensor_parallel != 1 or self.plan:
             raise ValueError(
-                "pipeline parallelism is not built yet; split the model with tensor_parallel (and shard it over the "
-                "other ranks), or use fsdp"
+                f"pipeline_parallel {self.pipeline_parallel} with tensor_parallel {self.tensor_parallel}"
+                f"{' and a plan' if self.plan else ''}: tensor x pipeline parallelism is not built yet; use one of them "
+                "(the other ranks are data parallel)"
             )
-        return stages
+        return self
 
 
 class ModelParallelStrategy(FSDPStrategy):
@@ -89,18 +118,38 @@ class ModelParallelStrategy(FSDPStrategy):
         wanted = self.options.tensor_parallel
         return self.env.local_world_size if wanted == "auto" else wanted
 
+    _pipeline: Any = None  # pipeline.PipelinedStep, with pipeline_parallel above 1
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self.options.pipeline_parallel
+
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.rank // self.tensor_parallel
+        return (self.rank // self.tensor_parallel) % self.data_parallel_size
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's pipeline stage (0 without a pipeline)."""
+        return self.rank // (self.tensor_parallel * self.data_parallel_size)
 
     def reports_metrics(self, rank: int) -> bool:
-        return rank % self.tensor_parallel == 0
+        """One rank per replica: the first of its tensor-parallel group, on the last pipeline stage (the loss's)."""
+        last = rank // (self.tensor_parallel * self.data_parallel_size) == self.pipeline_parallel - 1
+        return rank % self.tensor_parallel == 0 and last
 
     def setup(self) -> None:
+        split = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % split:
+            raise ConfigError(
+                f"trainer.strategy_options: tensor_parallel {self.tensor_parallel} x pipeline_parallel "
+                f"{self.pipeline_parallel} does not divide the world size {self.world_size}; launch a multiple of "
+                f"{split} ranks"
+            )
         if self.world_size % self.tensor_parallel:
             raise ConfigError(
                 f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel} does not divide the world size "
@@ -108,10 +157,11 @@ class ModelParallelStrategy(FSDPStrategy):
                 "ranks"
             )
         wanted = self.options.data_parallel
-        if wanted != "auto" and wanted * self.tensor_parallel != self.world_size:
+        if wanted != "auto" and wanted * split != self.world_size:
             raise ConfigError(
-                f"trainer.strategy_options.data_parallel: {wanted} x tensor_parallel {self.tensor_parallel} is not the "
-                f"world size {self.world_size}; set data_parallel: auto, or launch {wanted * self.tensor_parallel} ranks"
+                f"trainer.strategy_options.data_parallel: {wanted} x tensor_parallel {self.tensor_parallel} x "
+                f"pipeline_parallel {self.pipeline_parallel} is not the world size {self.world_size}; set "
+                f"data_parallel: auto, or launch {wanted * split} ranks"
             )
         super().setup()
         if not self._group_ready():
@@ -119,14 +169,31 @@ class ModelParallelStrategy(FSDPStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         device = torch_device(self.accelerator, self.device_index)
-        self.device_mesh = init_device_mesh(
-            device.type, (self.data_parallel_size, self.tensor_parallel), mesh_dim_names=DIMS
-        )
+        shape = (self.data_parallel_size, self.tensor_parallel)
+        if self.pipeline_parallel > 1:
+            self.device_mesh = init_device_mesh(
+                device.type, (self.pipeline_parallel, *shape), mesh_dim_names=PIPELINE_DIMS
+            )
+        else:
+            self.device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=DIMS)
         # gathering a parameter split over both dimensions (the export) takes two all-gathers, which torch warns
         # about on every rank: copies, no reduction, so nothing can differ between ranks
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
     def _log_layout(self) -> None:
+        if self.pipeline_parallel > 1:
+            opts = self.options
+            log.info(
+                "model-parallel: %d rank(s) = %d pipeline stages x %d data-parallel (mesh dims %s; the ranks of a "
+                "stage are consecutive), schedule %s, %d micro-batches",
+                self.world_size,
+                self.pipeline_parallel,
+                self.data_parallel_size,
+                ", ".join(PIPELINE_DIMS),
+                opts.schedule,
+                opts.microbatches or self.pipeline_parallel,
+            )
+            return
         log.info(
             "model-parallel: %d rank(s) = %d data-parallel x %d tensor-parallel (mesh dims %s; the ranks of a "
             "tensor-parallel group are consecutive)",
@@ -138,6 +205,7 @@ class ModelParallelStrategy(FSDPStrategy):
 
     def teardown(self) -> None:
         self.device_mesh = None
+        self._pipeline = None
         super().teardown()
 
     def _mesh(self, device: Any) -> Any:
@@ -146,6 +214,8 @@ class ModelParallelStrategy(FSDPStrategy):
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         model = step_module.module.state_module
+        if self.pipeline_parallel > 1:
+            return self._pipelined(step_module, device)
         plan = _resolved_plan(model, self.options.plan)  # checked at any world size: a wrong name is refused
         if not self._group_ready():
             return step_module
@@ -183,11 +253,9 @@ class ModelParallelStrategy(FSDPStrategy):
 
     def _split(self, model: Any, plan: dict[str, Style]) -> None:
         """Rank 0's weights on every rank (a single process's start), then each planned layer split over its group."""
-        import torch.distributed as dist
         from torch.distributed.tensor.parallel import parallelize_module
 
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor.data, src=0)
+        _from_rank_zero(model)
         tp_mesh = self.device_mesh["tensor_parallel"]
         tied = [users for users in _tied(model).values() if any(name in plan for name, _ in users)]
         for name, style in plan.items():
@@ -206,6 +274,167 @@ class ModelParallelStrategy(FSDPStrategy):
                 self.tensor_parallel,
                 ", ".join(f"{n} {s}" for s, n in counts.items()),
             )
+
+    # ---- pipeline parallelism -------------------------------------------------------------
+    def _pipelined(self, step_module: Any, device: Any) -> Any:
+        """The network split into stages (pipeline.py); every rank starts from rank 0's weights, as one process."""
+        from unifit.strategies.pipeline import Pipeline, PipelinedStep, network_and_splits
+
+        model, opts = step_module.module.state_module, self.options
+        network, splits = network_and_splits(model, opts.split_points, self.pipeline_parallel)
+        if _tensor_parallel_meshes(model):
+            raise ConfigError(
+                "trainer.strategy_options.pipeline_parallel: configure_model() split the model over tensor-parallel "
+                "ranks; tensor x pipeline parallelism is not built yet: split it one way"
+            )
+        _from_rank_zero(model)
+        pipeline = Pipeline(
+            step_module,
+            network,
+            splits,
+            self.stage_index,
+            self.pipeline_parallel,
+            self.device_mesh["pipeline_parallel"].get_group(),
+            device,
+            opts.schedule,
+            opts.microbatches or self.pipeline_parallel,
+        )
+        if self.is_global_zero:
+            log.info(
+                "model-parallel: %s split into %d stages at %s (%s schedule)",
+                network,
+                self.pipeline_parallel,
+                ", ".join(f"{network}.{point}" for point in splits),
+                opts.schedule,
+            )
+        self._pipeline = PipelinedStep(step_module, pipeline)
+        return self._pipeline
+
+    def setup_manual(
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+    ) -> tuple[Any, list[Any]]:
+        if self.pipeline_parallel > 1:
+            raise ConfigError(
+                f"{type(step_module.module.state_module).__name__}: manual optimization (automatic_optimization = "
+                "False) under pipeline_parallel: the schedule runs backward itself; use automatic optimization, or "
+                "fsdp / tensor_parallel"
+            )
+        return super().setup_manual(step_module, optimizers, device, precision)
+
+    def accumulating(self, wrapped: Any) -> Any:
+        """Pipelining reduces each batch's gradients itself (a stage's replicas: at the step)."""
+        if self._pipeline is not None:
+            return contextlib.nullcontext()
+        return super().accumulating(wrapped)
+
+    def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:
+        if self._pipeline is not None:
+            self._pipeline.backward(loss, self.precision)
+            return
+        super().backward(loss, *args, run=run, **kwargs)
+
+    def synchronized_gradients(self, optimizer: Any) -> Any:
+        """Pipeline: a stage's gradients averaged over its replicas (ddp's average, over the data-parallel ranks)."""
+        if self._pipeline is not None and self.data_parallel_size > 1:
+            _average(optimizer, self.device_mesh["data_parallel"].get_group(), self.data_parallel_size)
+        return super().synchronized_gradients(optimizer)
+
+    def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
+        """Pipeline: the norm over every stage's gradients (each rank holds one stage's), then each clipped by it."""
+        if self._pipeline is None:
+            return super().clip_gradients(parameters, max_norm)
+        import torch
+        import torch.distributed as dist
+
+        with_grads = [p for p in parameters if p.grad is not None]
+        local = torch.nn.utils.get_total_norm([p.grad for p in with_grads]) if with_grads else None
+        squared = (local.float() ** 2) if local is not None else torch.zeros((), device=self._pipeline.pipeline.device)
+        dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
+        if with_grads:
+            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, squared.sqrt())
+
+    def copy_from_rank_zero(self, tensors: dict[str, Any]) -> None:
+        """Pipeline: from the first replica of this rank's stage (rank 0 holds another stage's values)."""
+        if self._pipeline is None:
+            return super().copy_from_rank_zero(tensors)
+        import torch.distributed as dist
+
+        if self.data_parallel_size == 1:
+            return
+        group = self.device_mesh["data_parallel"].get_group()
+        for tensor in tensors.values():
+            dist.broadcast(tensor.data, group=group, group_src=0)
+
+    def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
+        if self._pipeline is None:
+            return super().training_state(module, optimizer)
+        return self._gathered(module, optimizer)
+
+    def start_sharded_write(
+        self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
+    ) -> tuple[dict[str, Any], Future | None]:
+        """Pipeline: rank 0 holds the whole state (training_state gathered it): it writes, as one process does."""
+        if self._pipeline is None:
+            return super().start_sharded_write(state, url, storage_options)
+        return state, None
+
+    def full_model_state(self, module: Any) -> dict[str, Any]:
+        if self._pipeline is None:
+            return super().full_model_state(module)
+        return self._gathered(module, None)["model"]
+
+    def _gathered(self, module: Any, optimizer: Any) -> dict[str, Any]:
+        """The whole model (and optimizer) as one process holds them, on rank 0: each stage's tensors from its first
+        replica; a checkpoint any strategy resumes from (the other ranks return their own)."""
+        import torch
+        from torch.utils._pytree import tree_map_only
+
+        owner = sharded_state.state_module(module)
+        owned = self._pipeline.pipeline.owned_ids if self._pipeline is not None else set()
+        model = owner.state_dict(keep_vars=True)
+        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+        part: dict[str, Any] | None = None
+        if self.data_parallel_rank == 0:
+            to_host = lambda tree: tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), tree)  # noqa: E731
+            part = {"model": to_host({k: v for k, v in model.items() if id(v) in owned})}
+            if optimizer_state is not None:
+                order = [p for group in optimizer.param_groups for p in group["params"]]
+                mine = {i for i, p in enumerate(order) if id(p) in owned}
+                part["optimizer"] = to_host({i: s for i, s in optimizer_state["state"].items() if i in mine})
+        parts = [p for p in self.all_gather_object(part) if p is not None]
+        state: dict[str, Any] = {"model": {k: v.detach() for k, v in model.items()}}
+        if optimizer_state is not None:
+            state["optimizer"] = optimizer_state
+        if not self.is_global_zero:
+            return state
+        for each in parts:
+            state["model"].update(each["model"])
+            if optimizer_state is not None:
+                optimizer_state["state"] = {**optimizer_state["state"], **each["optimizer"]}
+        return state
+
+
+def _from_rank_zero(model: Any) -> None:
+    """Rank 0's weights and buffers on every rank: a split model starts where one process would."""
+    import torch.distributed as dist
+
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor.data, src=0)
+
+
+def _average(optimizer: Any, group: Any, size: int) -> None:
+    """The optimizer's gradients averaged over `group`: one all-reduce per dtype, flattened."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
+            grad.copy_(averaged)
 
 
 # transformers' tensor-parallel styles (its `_tp_plan`) that are unifit's: the same splits of the same layers

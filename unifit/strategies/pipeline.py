@@ -1,0 +1,428 @@
+"""Pipeline parallelism for model-parallel (`pipeline_parallel` stages): the network split by layers over groups
+of ranks, micro-batches through torch.distributed.pipelining's schedules (GPipe, 1F1B).
+
+The module's steps stay as written. unifit traces the network they call (a child of the module such as
+`self.net`; torch.export, so its forward must be one graph) and splits it at the split points; each rank runs one
+stage. A batch is cut into micro-batches (rows along dim 0), and per micro-batch the step runs as written on every
+rank, with the network replaced by a stand-in:
+- on the last stage, inside the schedule's loss function: the stand-in returns the pipeline's output for the
+  micro-batch, so the loss and what the step logs are the step's own (the last stage's ranks report the metrics);
+- on the other stages, before the schedule: the stand-in records the network's inputs (stage 0 feeds them to the
+  pipeline) and returns zeros shaped as the output, so the step's code runs alike; what it logs is not reported.
+A trace is specialised to the shapes of one micro-batch (torch.export), so one is made per shape met (the first
+batch, a smaller last one, validation's), each over the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from unifit.errors import ConfigError
+
+log = logging.getLogger("unifit")
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def network_and_splits(model: torch.nn.Module, split_points: list[str] | None, stages: int) -> tuple[str, list[str]]:
+    """(the child of `model` that the pipeline splits, the split points inside it, relative to it). Without split
+    points: the longest list of blocks (ModuleList or Sequential) split evenly. Bad input: one line."""
+    where = "trainer.strategy_options.split_points"
+    if split_points is None:
+        lists = [(name, m) for name, m in model.named_modules() if name and isinstance(m, torch.nn.ModuleList)]
+        lists += [(name, m) for name, m in model.named_modules() if name and isinstance(m, torch.nn.Sequential)]
+        if not lists:
+            raise ConfigError(
+                f"{where}: none given and {type(model).__name__} has no ModuleList or Sequential of blocks to split "
+                f"evenly; name the {stages - 1} module(s) where stages {', '.join(map(str, range(1, stages)))} begin"
+            )
+        name, blocks = max(lists, key=lambda pair: len(pair[1]))
+        if len(blocks) < stages:
+            raise ConfigError(
+                f"{where}: none given, and the longest list of blocks in {type(model).__name__} ({name}) has "
+                f"{len(blocks)} for {stages} stages; lower pipeline_parallel or name the split points"
+            )
+        split_points = [f"{name}.{round(i * len(blocks) / stages)}" for i in range(1, stages)]
+    if len(split_points) != stages - 1:
+        raise ConfigError(
+            f"{where}: {len(split_points)} given for pipeline_parallel {stages}; name {stages - 1} (each the "
+            "module where a stage begins)"
+        )
+    modules = dict(model.named_modules())
+    for point in split_points:
+        if point not in modules:
+            near = [n for n, m in modules.items() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
+            raise ConfigError(
+                f"{where}: {point!r} names no submodule of {type(model).__name__}; name modules as in "
+                f"named_modules() (its lists of blocks: {', '.join(near) or 'none'}; e.g. {near[0] + '.1' if near else 'net.blocks.2'})"
+            )
+    roots = {point.split(".")[0] for point in split_points}
+    root = split_points[0].split(".")[0]
+    if len(roots) > 1 or root in split_points:
+        raise ConfigError(
+            f"{where}: {split_points} must lie inside one submodule the steps call (e.g. net.blocks.2 inside "
+            f"self.net), not be it; received points under {sorted(roots)}"
+        )
+    network = modules[root]
+    outside = [n for n, p in model.named_parameters() if not n.startswith(root + ".")]
+    if outside:
+        raise ConfigError(
+            f"{where}: the pipeline splits {root}, but {type(model).__name__} also holds parameters outside it "
+            f"({', '.join(outside[:3])}); only the network the steps call can be split: move them into {root}"
+        )
+    _ = network
+    return root, [point[len(root) + 1 :] for point in split_points]
+
+
+class _Captured(Exception):
+    """Raised by the stand-in once it has the network's inputs (the first trace)."""
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for the network where the loss is not computed: records the inputs, returns zeros of the output's
+    shape (or stops the step, `output` None, when only the inputs are wanted)."""
+
+    def __init__(self, output: tuple[tuple[int, ...], torch.dtype, torch.device] | None) -> None:
+        super().__init__()
+        self.output = output
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls.append((args, kwargs))
+        if self.output is None:
+            raise _Captured
+        shape, dtype, device = self.output
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class _Given(torch.nn.Module):
+    """Stands in for the network on the last stage: the pipeline's output for this micro-batch."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+        self.calls: list[Any] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls.append(None)
+        return self.output
+
+
+@dataclass
+class _Traced:
+    schedule: Any  # over this rank's PipelineStage of one trace
+    output: tuple[int, ...]  # the network's output shape for one micro-batch
+    dtype: torch.dtype
+
+
+class Pipeline:
+    """One rank's stage of the network and the schedules that run it, per micro-batch shape."""
+
+    def __init__(
+        self,
+        step_module: Any,
+        network: str,
+        splits: list[str],
+        stage_index: int,
+        stages: int,
+        group: Any,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+    ) -> None:
+        self.module = step_module.module  # the TrainModule (a LightningModule's adapter): its steps and its logging
+        self.holder = self.module.state_module  # the nn.Module holding the network as an attribute
+        self.network = network
+        self.splits = splits
+        self.stage_index, self.stages = stage_index, stages
+        self.first, self.last = stage_index == 0, stage_index == stages - 1
+        self.group, self.device = group, device
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.owned_ids: set[int] = set()  # ids of this stage's parameters and buffers (known from the first trace)
+        self._traced: dict[Any, _Traced] = {}
+        self._micro: list[Any] = []
+        self._call: tuple[str, int, tuple[Any, ...]] = ("training_step", 0, ())
+        self._scale: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
+        self.inferring = False  # set while a schedule infers its stage's shapes (see _flag_inference)
+
+    # ---- one batch ------------------------------------------------------------------------
+    def run(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], scale: torch.Tensor | None) -> Any:
+        """The step over the batch's micro-batches through the pipeline: training (backward included, gradients
+        scaled by `scale` / micro-batches) when `scale` is given, else forward only. Returns the batch's mean loss
+        on the last stage (training), None elsewhere."""
+        rows = _rows(batch, step)
+        if step == "training_step" and not self.owned_ids and rows % self.microbatches:
+            raise ConfigError(
+                f"trainer.strategy_options.microbatches: {self.microbatches} does not divide a training batch of "
+                f"{rows} rows; set trainer.batch_size to a multiple of {self.microbatches}, or microbatches to a "
+                f"divisor of {rows}"
+            )
+        count = _microbatches(rows, self.microbatches)
+        micro = _split(batch, count)
+        traced = self._traced.get(key := (scale is not None, count, _shapes(micro[0])))
+        if traced is None:
+            traced = self._traced[key] = self._trace(step, micro[0], batch_idx, more, count, training=scale is not None)
+        self._micro, self._call, self._scale, self._losses = micro, (step, batch_idx, more), scale, []
+        run = traced.schedule.step if scale is not None else traced.schedule.eval
+        if self.last:
+            run(target=torch.arange(count))
+            return torch.stack(self._losses).mean() if self._losses else None
+        recorder = _Recorder((traced.output, traced.dtype, self.device))
+        with torch.no_grad():
+            for each in micro:
+                self._user_step(step, each, batch_idx, more, recorder)
+        if self.first:
+            args = [tree_unflatten(list(parts), spec) for parts, spec in _stacked(recorder.calls)]
+            run(*args[0], **args[1])
+        else:
+            run()
+        return None
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function on the last stage: the step as written, on micro-batch `target`."""
+        if self.inferring:  # the schedule's first call infers shapes on uninitialised tensors: not a micro-batch
+            return (output * 0).sum()
+        step, batch_idx, more = self._call
+        out = self._user_step(step, self._micro[int(target)], batch_idx, more, _Given(output))
+        if self._scale is None:  # forward only (validation): what the step logged is all
+            return torch.zeros((), device=output.device)
+        loss = _loss_of(out, step)
+        self._losses.append(loss.detach())
+        return loss * (self._scale / len(self._micro))
+
+    def _user_step(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], standin: Any) -> Any:
+        holder, collector = self.holder, self.module._unifit_collector
+        network, before = holder._modules[self.network], len(standin.calls)
+        holder._modules[self.network] = standin
+        counted = collector.batch_count if collector is not None else None
+        if collector is not None:  # what the step logs is weighed by the micro-batch's rows
+            collector.batch_count = _rows(batch, step)
+        try:
+            out = getattr(self.module, step)(batch, batch_idx, *more)
+        finally:
+            holder._modules[self.network] = network
+            if collector is not None:
+                collector.batch_count = counted
+        if len(standin.calls) - before != 1:
+            raise ConfigError(
+                f"{type(self.holder).__name__}.{step} called self.{self.network} {len(standin.calls) - before} times for one "
+                f"micro-batch; pipeline parallelism runs the network once per step: call it once (or use fsdp)"
+            )
+        return out
+
+    # ---- a new micro-batch shape -----------------------------------------------------------
+    def _trace(
+        self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...], count: int, training: bool
+    ) -> _Traced:
+        import torch.distributed as dist
+        from torch.distributed import pipelining
+
+        example = [self._inputs(step, micro, batch_idx, more) if self.first else None]
+        dist.broadcast_object_list(example, group=self.group, group_src=0)
+        # every rank traces with zeros of those shapes, so every rank's trace is the same graph
+        args, kwargs = tree_map_only(
+            torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), example[0]
+        )
+        splits = {point: pipelining.SplitPoint.BEGINNING for point in self.splits}
+        network = self.holder.get_submodule(self.network)
+        try:
+            with warnings.catch_warnings(), _unpatched(network, self.splits):
+                warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecation notices
+                pipe = pipelining.pipeline(network, mb_args=tuple(args), mb_kwargs=kwargs, split_spec=splits)
+        except Exception as exc:
+            raise ConfigError(
+                f"trainer.strategy_options.pipeline_parallel: {type(network).__name__} (self.{self.network}) cannot "
+                f"be traced as one graph by torch.export ({type(exc.__cause__ or exc).__name__}: "
+                f"{str(exc.__cause__ or exc).splitlines()[0][:200]}); remove data-dependent Python control flow from "
+                "its forward, or use fsdp"
+            ) from None
+        if pipe.num_stages != self.stages:
+            raise ConfigError(
+                f"trainer.strategy_options.split_points: the trace of self.{self.network} has {pipe.num_stages} "
+                f"stages for pipeline_parallel {self.stages}; name points its forward passes through, in order"
+            )
+        stage_module = pipe.get_stage_module(self.stage_index)
+        shape, dtype = _output(pipe.get_stage_module(self.stages - 1), self.network, _rows(micro, step))
+        self._check_shared(stage_module, network)
+        if not self.owned_ids:
+            self.owned_ids = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
+            log.info(
+                "model-parallel: stage %d of %d holds %d of the %d parameter tensors of %s",
+                self.stage_index,
+                self.stages,
+                len(list(stage_module.parameters())),
+                len(list(network.parameters())),
+                self.network,
+            )
+        stage = pipelining.PipelineStage(stage_module, self.stage_index, self.stages, self.device, group=self.group)
+        kind = getattr(pipelining, SCHEDULES[self.schedule])
+        schedule = kind(stage, count, loss_fn=self._loss, scale_grads=False)
+        schedule._has_backward = training  # one mode per schedule: a switch would infer the stage's metadata again
+        _flag_inference(schedule, self)
+        return _Traced(schedule, shape, dtype)
+
+    def _inputs(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> Any:
+        """What the step passes the network (its first call, nothing logged), as meta tensors: shapes and dtypes."""
+        recorder = _Recorder(None)
+        with _muted(self.module), torch.no_grad(), contextlib.suppress(_Captured):
+            self._user_step(step, micro, batch_idx, more, recorder)
+        if not recorder.calls:
+            raise ConfigError(
+                f"{type(self.holder).__name__}.{step} did not call self.{self.network}; pipeline parallelism splits "
+                "the network the steps call"
+            )
+        leaves, _ = tree_flatten(recorder.calls[0])
+        if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            kinds = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)})
+            raise ConfigError(
+                f"{type(self.holder).__name__}.{step} passes self.{self.network} {', '.join(kinds)} arguments; under "
+                "pipeline parallelism the network takes tensors only (their rows are the micro-batch's)"
+            )
+        return tree_map_only(
+            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), recorder.calls[0]
+        )
+
+    def _check_shared(self, stage_module: torch.nn.Module, network: torch.nn.Module) -> None:
+        """The stage must compute with the network's own parameters and buffers (the optimizer's, the checkpoint's)."""
+        mine = {id(t) for t in (*network.parameters(), *network.buffers())}
+        if any(id(t) not in mine for t in (*stage_module.parameters(), *stage_module.buffers())):
+            raise ConfigError(
+                f"trainer.strategy_options.pipeline_parallel: the trace of self.{self.network} copied its parameters "
+                "or buffers, so its stages would train copies; use fsdp for this model"
+            )
+
+
+class PipelinedStep(torch.nn.Module):
+    """The step module under pipeline parallelism: a training step runs forward and backward in the schedule,
+    started by backward (the loss returned first stands for the batch's and is filled in then); other steps run
+    forward only, at once."""
+
+    def __init__(self, step_module: Any, pipeline: Pipeline) -> None:
+        super().__init__()
+        self.step_module = step_module
+        self.pipeline = pipeline
+        self._pending: tuple[Any, int, tuple[Any, ...], torch.Tensor] | None = None
+
+    def forward(self, batch: Any, batch_idx: int, *more: Any, step: str = "training_step") -> Any:
+        if step != "training_step":
+            return self.pipeline.run(step, batch, batch_idx, more, None)
+        loss = torch.ones((), device=self.pipeline.device, requires_grad=True)  # the batch's, once run
+        self._pending = (batch, batch_idx, more, loss)
+        return loss
+
+    def backward(self, scaled: torch.Tensor, precision: Any) -> None:
+        """`scaled`: the engine's loss / accumulation, i.e. the gradient scale (the loss stands at 1 until run)."""
+        if self._pending is None:
+            raise ConfigError("pipeline parallelism: backward without a training step before it")
+        batch, batch_idx, more, loss = self._pending
+        self._pending = None
+        with precision.autocast():
+            mean = self.pipeline.run("training_step", batch, batch_idx, more, scaled.detach())
+        if mean is not None:
+            loss.data.copy_(mean)
+
+
+def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
+    """`pipeline.inferring` while the schedule infers its stage's shapes and gradients (its first step), which
+    calls the loss function once on tensors that are not a micro-batch's."""
+    infer = schedule._initialize_pp_stages
+
+    def flagged(*args: Any, **kwargs: Any) -> Any:
+        pipeline.inferring = True
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            pipeline.inferring = False
+
+    schedule._initialize_pp_stages = flagged
+
+
+@contextlib.contextmanager
+def _unpatched(network: torch.nn.Module, splits: list[str]) -> Iterator[None]:
+    """pipeline() marks each split point by replacing its module's forward; put them back after the trace (the
+    network runs whole elsewhere, and a second trace would wrap the wrapper)."""
+    try:
+        yield
+    finally:
+        for point in splits:
+            module = network.get_submodule(point)
+            for patched in ("forward", "_orig_forward"):
+                module.__dict__.pop(patched, None)
+
+
+def _muted(module: Any) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def muted() -> Iterator[None]:
+        collector = module._unifit_collector
+        module._unifit_collector = None
+        try:
+            yield
+        finally:
+            module._unifit_collector = collector
+
+    return muted()
+
+
+def _rows(batch: Any, step: str) -> int:
+    sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"{step}: pipeline parallelism cuts a batch into micro-batches by rows, but its tensors have "
+            f"{'no rows' if not sizes else 'different row counts ' + str(sorted(sizes))}; give batches of tensors "
+            "with the samples along dim 0"
+        )
+    return sizes.pop()
+
+
+def _microbatches(rows: int, wanted: int) -> int:
+    """The most micro-batches (at most `wanted`) that cut `rows` into equal parts (equal parts: the mean of their
+    means is the batch's mean)."""
+    return max(n for n in range(1, min(wanted, rows) + 1) if rows % n == 0)
+
+
+def _split(batch: Any, count: int) -> list[Any]:
+    leaves, spec = tree_flatten(batch)
+    parts = [torch.tensor_split(t, count) if isinstance(t, torch.Tensor) else [t] * count for t in leaves]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(count)]
+
+
+def _shapes(batch: Any) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in tree_flatten(batch)[0])
+
+
+def _stacked(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[tuple[list[torch.Tensor], Any]]:
+    """The recorded inputs of each micro-batch joined along dim 0: (leaves, spec) for the args, then the kwargs."""
+    out = []
+    for position in range(2):
+        flat = [tree_flatten(call[position]) for call in calls]
+        spec = flat[0][1]
+        out.append(([torch.cat(parts) for parts in zip(*(leaves for leaves, _ in flat))], spec))
+    return out
+
+
+def _output(last: torch.nn.Module, network: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """The network's output shape and dtype for one micro-batch, from the last stage's trace."""
+    (out,) = last.graph.output_node().args
+    value = out.meta.get("val") if hasattr(out, "meta") else None
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError(
+            f"trainer.strategy_options.pipeline_parallel: self.{network} returns {type(value).__name__}; under "
+            "pipeline parallelism the network returns one tensor (compute the rest in the step)"
+        )
+    return tuple(value.shape), value.dtype
+
+
+def _loss_of(out: Any, step: str) -> torch.Tensor:
+    loss = out["loss"] if isinstance(out, dict) and "loss" in out else out
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"{step} returned {type(out).__name__}; return the loss tensor or a dict with key 'loss'")
+    return loss
