@@ -96,9 +96,10 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(tmp_path):
-    """Its configure_model splits the layers over self.device_mesh and shards them with fully_shard itself."""
+    """Its configure_model splits the layers over self.device_mesh and shards them with fully_shard itself; the same
+    LightningModule unsplit runs unchanged in pipeline stages."""
     whole = tmp_path / "whole"
     _run(whole, "ddp", 2, "--module.class_path", "tests.probe.tiny_gpt.LightningWhole")
     split = tmp_path / "split"
@@ -111,10 +112,15 @@ def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(
         options={"tensor_parallel": 2},
     )
     assert "configure_model() sharded the model with fully_shard itself" in out.stderr, out.stderr
-    assert _max_diff(_weights(split), _weights(whole)) < CLOSE
-    for mine, theirs in zip(metrics_lines(split), metrics_lines(whole)):
-        assert mine["train_loss"] == pytest.approx(theirs["train_loss"], abs=1e-5)
-        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
+    # the unsplit module, unchanged, in 2 pipeline stages x 2 replicas (its steps call self.net: the pipeline's)
+    staged = tmp_path / "staged"
+    whole_module = ("--module.class_path", "tests.probe.tiny_gpt.LightningWhole")
+    _run(staged, "model-parallel", 4, *whole_module, options={"pipeline_parallel": 2, "split_points": ["net.blocks.1"]})
+    for root in (split, staged):
+        assert _max_diff(_weights(root), _weights(whole)) < CLOSE, root.name
+        for mine, theirs in zip(metrics_lines(root), metrics_lines(whole), strict=True):
+            assert mine["train_loss"] == pytest.approx(theirs["train_loss"], abs=1e-5)
+            assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
     # validate from its last checkpoint: configure_model splits again, the shards load into the split model
     checked = tmp_path / "validated"
     result = run_unifit(  # on 2 ranks: the 2 x 2 shards read into one replica split over 2
@@ -155,6 +161,81 @@ def _initial_llama() -> dict[str, torch.Tensor]:
     return {f"model.{k}": v for k, v in TransformersLlama().model.state_dict().items()}
 
 
+@pytest.mark.timeout(600)
+def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_other_layouts(tmp_path):
+    """2 pipeline stages x 2 replicas, 4 micro-batches of a batch: tied weights (the embedding on the first stage,
+    the head reading it on the last), a last training and validation batch that 4 micro-batches cannot cut (the
+    most equal parts), clipping, accumulation and warmup; against ddp on 2 ranks of the same global batch."""
+    data = ("--module.init_args.tied", "true", "--module.init_args.n_train", "68", "--module.init_args.n_val", "36")
+    ddp = tmp_path / "ddp"
+    _run(ddp, "ddp", 2, *data)
+    staged = tmp_path / "pp2xdp2"
+    layout = {"pipeline_parallel": 2, "microbatches": 4}
+    out = _run(staged, "model-parallel", 4, *data, "--trainer.max_epochs", "2", options=layout)
+    assert "4 rank(s) = 2 pipeline stages x 2 data-parallel" in out.stderr, out.stderr
+    assert "net split into 2 stages at net.blocks.1 (1f1b schedule)" in out.stderr, out.stderr
+    assert "1 parameter(s) held by several stages (tied weights)" in out.stderr, out.stderr
+    ckpt = _checkpoint(staged, 2)
+    resumed = tmp_path / "resumed"  # on the other schedule
+    _run(resumed, "model-parallel", 4, *data, options={**layout, "schedule": "gpipe"}, ckpt=ckpt)
+    on_fsdp = tmp_path / "on_fsdp"
+    _run(on_fsdp, "fsdp", 2, *data, ckpt=ckpt)
+    reference = _weights(ddp)
+    for root in (resumed, on_fsdp):
+        assert _max_diff(_weights(root), reference) < CLOSE, root.name
+    assert torch.equal(_weights(resumed)["net.head.weight"], _weights(resumed)["net.embed.weight"])  # still tied
+    staged_lines = metrics_lines(staged) + metrics_lines(resumed)
+    assert [line["epoch"] for line in staged_lines] == [1, 2, 3]
+    for mine, theirs in zip(staged_lines, metrics_lines(ddp), strict=True):
+        assert mine["samples_seen"] == 68.0  # reduce_fx="sum" per micro-batch: each sample once, on the last stage
+        assert mine["val_samples"] == 36.0  # a torchmetrics SumMetric: the last stage's states only
+        assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)  # scaled by the 2 replicas
+        for key in ("train/loss", "val_loss"):
+            assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
+    # validate its checkpoint on 2 ranks of one replica: the whole model on each, each sample counted once
+    checked = tmp_path / "validated"
+    args = ["launch", "--run", "validate", "--nproc-per-node", "2", "-c", str(YAML), *data]
+    args += ["--trainer.root_dir", str(checked), "--trainer.strategy", "model-parallel", "--ckpt-path", ckpt]
+    assert_ok(run_unifit(*args, "--trainer.strategy_options", json.dumps({"pipeline_parallel": 2}), timeout=200))
+    validated = json.loads((checked / "validate.json").read_text())["metrics"]
+    assert validated["val_samples"] == 36.0
+    assert validated["val_loss"] == pytest.approx(metrics_lines(staged)[-1]["val_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(400)
+def test_four_pipeline_stages_match_one_process_in_bf16_mixed(tmp_path):
+    """4 stages (an even split of the 4 blocks), the GPipe schedule, 4 micro-batches, no data parallelism."""
+    deeper = ("--module.init_args.layers", "4", "--trainer.precision", "bf16-mixed")
+    one = tmp_path / "one"
+    _run(one, "single", 1, *deeper)
+    staged = tmp_path / "pp4"
+    options = {"pipeline_parallel": 4, "schedule": "gpipe", "microbatches": 4}
+    out = _run(staged, "model-parallel", 4, *deeper, options=options)
+    assert "net split into 4 stages at net.blocks.1, net.blocks.2, net.blocks.3" in out.stderr, out.stderr
+    assert _max_diff(_weights(staged), _weights(one)) < 2e-2  # bf16 (float32: 1e-5 above)
+    for mine, theirs in zip(metrics_lines(staged), metrics_lines(one), strict=True):
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-3)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("options", "needles"),
+    [
+        (
+            {"pipeline_parallel": 2, "split_points": ["net.layers.1"]},
+            ["split_points: 'net.layers.1' names no submodule of TinyGPT", "net.blocks"],
+        ),
+        ({"pipeline_parallel": 2, "microbatches": 3}, ["microbatches: 3 does not divide a training batch of 8 rows"]),
+    ],
+)
+def test_bad_pipeline_input_is_one_line_on_every_rank(tmp_path, options, needles):
+    result = run_unifit("launch", "--nproc-per-node", "2", *_layout(tmp_path, options), timeout=150)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
+    assert errors and all(needle in errors[0] for needle in needles), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "checkpoints").exists()
+
+
 def _refused(result, *needles: str) -> None:
     assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
@@ -173,8 +254,10 @@ def _refused(result, *needles: str) -> None:
         ({"plan": {"net.norm": "colwise"}}, ["matches net.norm, a LayerNorm", "only Linear and Embedding"]),
         ({"plan": {"net.head": "diagonal"}}, ["trainer.strategy_options.plan", "colwise_gather"]),
         ({"tensor_parallel": 2}, ["tensor_parallel: 2 does not divide the world size 1"]),
-        ({"data_parallel": 2}, ["data_parallel: 2 x tensor_parallel 1 is not the world size 1"]),
-        ({"pipeline_parallel": 2}, ["pipeline_parallel", "not built yet"]),
+        ({"data_parallel": 2}, ["data_parallel: 2 x tensor_parallel 1 x pipeline_parallel 1 is not the world size 1"]),
+        ({"pipeline_parallel": 2}, ["tensor_parallel 1 x pipeline_parallel 2 does not divide the world size 1"]),
+        ({"pipeline_parallel": 2, "tensor_parallel": 2}, ["tensor x pipeline parallelism is not built yet"]),
+        ({"split_points": ["net.blocks.1"]}, ["split_points split a pipeline: set pipeline_parallel above 1"]),
         ({"tensor_parallel": 2, "share_gpus": True}, ["share_gpus with tensor_parallel 2", "one GPU per rank"]),
         ({"plan": "auto"}, ["plan: auto, but nothing in TinyGPT carries a tensor-parallel plan", "_tp_plan"]),
     ],

@@ -65,12 +65,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int) -> None:
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, tied: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        if tied:  # GPT-2's: the head reads the embedding's weight (under pipelining: the first and last stage)
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
@@ -94,10 +96,10 @@ def lm_loss(net: nn.Module, batch) -> torch.Tensor:
 
 
 class TinyGPT(unifit.TrainModule):
-    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3) -> None:
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3, tied=False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = GPT(vocab, dim, heads, layers, seq)
+        self.net = GPT(vocab, dim, heads, layers, seq, tied)
         self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
         self.val_samples = torchmetrics.SumMetric()
 

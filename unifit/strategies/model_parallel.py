@@ -144,7 +144,7 @@ class ModelParallelStrategy(FSDPStrategy):
 
     def setup(self) -> None:
         split = self.tensor_parallel * self.pipeline_parallel
-        if self.world_size % split:
+        if self.pipeline_parallel > 1 and self.world_size % split:
             raise ConfigError(
                 f"trainer.strategy_options: tensor_parallel {self.tensor_parallel} x pipeline_parallel "
                 f"{self.pipeline_parallel} does not divide the world size {self.world_size}; launch a multiple of "
@@ -298,6 +298,7 @@ class ModelParallelStrategy(FSDPStrategy):
             device,
             opts.schedule,
             opts.microbatches or self.pipeline_parallel,
+            speaks=self.data_parallel_rank == 0,
         )
         if self.is_global_zero:
             log.info(
@@ -334,9 +335,12 @@ class ModelParallelStrategy(FSDPStrategy):
         super().backward(loss, *args, run=run, **kwargs)
 
     def synchronized_gradients(self, optimizer: Any) -> Any:
-        """Pipeline: a stage's gradients averaged over its replicas (ddp's average, over the data-parallel ranks)."""
-        if self._pipeline is not None and self.data_parallel_size > 1:
-            _average(optimizer, self.device_mesh["data_parallel"].get_group(), self.data_parallel_size)
+        """Pipeline: tied weights' gradients summed over the stages, then a stage's averaged over its replicas (ddp's
+        average, over the data-parallel ranks)."""
+        if self._pipeline is not None:
+            self._pipeline.pipeline.sum_shared_gradients()
+            if self.data_parallel_size > 1:
+                _average(optimizer, self.device_mesh["data_parallel"].get_group(), self.data_parallel_size)
         return super().synchronized_gradients(optimizer)
 
     def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
@@ -347,7 +351,9 @@ class ModelParallelStrategy(FSDPStrategy):
         import torch.distributed as dist
 
         with_grads = [p for p in parameters if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([p.grad for p in with_grads]) if with_grads else None
+        below = self._pipeline.pipeline.counted_below  # a tied weight's gradient counts once, on its lowest stage
+        counted = [p.grad for p in with_grads if id(p) not in below]
+        local = torch.nn.utils.get_total_norm(counted) if counted else None
         squared = (local.float() ** 2) if local is not None else torch.zeros((), device=self._pipeline.pipeline.device)
         dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
         if with_grads:

@@ -136,6 +136,7 @@ class Pipeline:
         device: torch.device,
         schedule: str,
         microbatches: int,
+        speaks: bool,
     ) -> None:
         self.module = step_module.module  # the TrainModule (a LightningModule's adapter): its steps and its logging
         self.holder = self.module.state_module  # the nn.Module holding the network as an attribute
@@ -146,7 +147,12 @@ class Pipeline:
         self.group, self.device = group, device
         self.schedule = schedule
         self.microbatches = microbatches
+        self.speaks = speaks  # this rank logs its stage's layout (the first replica's ranks)
         self.owned_ids: set[int] = set()  # ids of this stage's parameters and buffers (known from the first trace)
+        # parameters several stages hold (tied weights: an embedding and the head reading it), in the network's order
+        # on every rank; and those whose gradient norm a lower stage counts
+        self.shared: list[torch.nn.Parameter] = []
+        self.counted_below: set[int] = set()
         self._traced: dict[Any, _Traced] = {}
         self._micro: list[Any] = []
         self._call: tuple[str, int, tuple[Any, ...]] = ("training_step", 0, ())
@@ -251,10 +257,14 @@ class Pipeline:
                 f"stages for pipeline_parallel {self.stages}; name points its forward passes through, in order"
             )
         stage_module = pipe.get_stage_module(self.stage_index)
+        for each in range(self.stages):  # every stage's, so that each rank knows which stages hold a tied weight
+            _rebind(pipe.get_stage_module(each), network)
         shape, dtype = _output(pipe.get_stage_module(self.stages - 1), self.network, _rows(micro, step))
         self._check_shared(stage_module, network)
         if not self.owned_ids:
             self.owned_ids = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
+            self._find_shared(pipe, network)
+        if self.speaks and len(self._traced) == 0:
             log.info(
                 "model-parallel: stage %d of %d holds %d of the %d parameter tensors of %s",
                 self.stage_index,
@@ -269,6 +279,33 @@ class Pipeline:
         schedule._has_backward = training  # one mode per schedule: a switch would infer the stage's metadata again
         _flag_inference(schedule, self)
         return _Traced(schedule, shape, dtype)
+
+    def _find_shared(self, pipe: Any, network: torch.nn.Module) -> None:
+        held = [{id(p) for p in pipe.get_stage_module(i).parameters()} for i in range(self.stages)]
+        self.shared = [p for p in network.parameters() if sum(id(p) in ids for ids in held) > 1]
+        below = set().union(*held[: self.stage_index]) if self.stage_index else set()
+        self.counted_below = {id(p) for p in self.shared if id(p) in below}
+        if self.shared and self.speaks and self.stage_index == 0:
+            log.info(
+                "model-parallel: %d parameter(s) held by several stages (tied weights): their gradients are summed "
+                "over the stages",
+                len(self.shared),
+            )
+
+    def sum_shared_gradients(self) -> None:
+        """A tied weight's gradient is the sum of what each stage holding it computed: summed over the stages
+        (one all-reduce; stages that do not hold it add zeros and keep none)."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        if not self.shared:
+            return
+        mine = [p.grad if id(p) in self.owned_ids and p.grad is not None else torch.zeros_like(p) for p in self.shared]
+        flat = _flatten_dense_tensors(mine)
+        dist.all_reduce(flat, group=self.group)
+        for parameter, summed in zip(self.shared, _unflatten_dense_tensors(flat, mine)):
+            if id(parameter) in self.owned_ids:
+                parameter.grad = summed
 
     def _inputs(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> Any:
         """What the step passes the network (its first call, nothing logged), as meta tensors: shapes and dtypes."""
@@ -344,6 +381,23 @@ def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
             pipeline.inferring = False
 
     schedule._initialize_pp_stages = flagged
+
+
+def _rebind(stage_module: torch.nn.Module, network: torch.nn.Module) -> None:
+    """The trace copies a parameter that several stages use (a tied weight): each stage computes with the
+    network's own again, found by name, so the optimizer steps it and the checkpoint holds it."""
+    own = {id(t) for t in (*network.parameters(), *network.buffers())}
+    named = [("_parameters", *pair) for pair in stage_module.named_parameters(remove_duplicate=False)]
+    named += [("_buffers", *pair) for pair in stage_module.named_buffers(remove_duplicate=False)]
+    for kind, name, tensor in named:
+        if id(tensor) in own:
+            continue
+        prefix, _, attribute = name.rpartition(".")
+        try:
+            original = network.get_parameter(name) if kind == "_parameters" else network.get_buffer(name)
+        except AttributeError:
+            continue  # not the network's: _check_shared refuses the trace
+        getattr(stage_module.get_submodule(prefix), kind)[attribute] = original
 
 
 @contextlib.contextmanager
