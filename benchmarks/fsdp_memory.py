@@ -1,9 +1,10 @@
-"""Per-rank training-state memory and step time: fsdp and model-parallel (tensor parallelism, TP2 x FSDP and TP4)
+"""Per-rank training-state memory and step time: fsdp and model-parallel (tensor parallelism, TP2 x FSDP and TP4;
+pipeline stages, PP2 x 2 replicas)
 against ddp at 1, 2 and 4 ranks, for a ~100 M parameter MLP (6 x Linear(4096, 4096): 100.7 M parameters, 403 MB
 float32) trained with AdamW on CPU.
 
     nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py [--steps 6] [--ranks 1 2 4] \
-        [--layouts ddp fsdp tp2 tp4]
+        [--layouts ddp fsdp tp2 tp4 pp2]
 
 tp2 / tp4: `model-parallel` with tensor_parallel 2 / 4 and the Megatron pairing of the MLP's Linears (colwise then
 rowwise, PLAN below); the ranks left over are data parallel, sharded by FSDP2 (TP2 at 4 ranks: 2 x 2).
@@ -46,6 +47,8 @@ LAYOUTS = {
     "fsdp": ("fsdp", None, 1),
     "tp2": ("model-parallel", {"tensor_parallel": 2, "plan": PLAN}, 2),
     "tp4": ("model-parallel", {"tensor_parallel": 4, "plan": PLAN}, 4),
+    # the Sequential split evenly into 2 stages (3 Linears each); the other ranks hold replicas of a stage
+    "pp2": ("model-parallel", {"pipeline_parallel": 2}, 2),
 }
 
 
@@ -189,7 +192,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         f"Model: {LAYERS} x Linear({WIDTH}, {WIDTH}) (100.7 M parameters, 403 MB float32), AdamW, batch {BATCH} per "
         f"replica, {args.steps} steps. State = parameters + gradients + AdamW moments held by a rank (local shards "
         "of sharded tensors), counted before each optimizer step; peak RSS = the process's maximum resident set. "
-        "tp2 at 4 ranks = 2 tensor-parallel x 2 data-parallel (FSDP2); tp4 = tensor parallel only.",
+        "tp2 at 4 ranks = 2 tensor-parallel x 2 data-parallel (FSDP2); tp4 = tensor parallel only; pp2 at 4 ranks = "
+        "2 pipeline stages x 2 replicas (2 micro-batches, 1F1B).",
         "",
         "| ranks | layout | state (MB) | ddp state (MB) | / ddp | target 1/N + 10 % | met | peak RSS (MB) "
         "| ddp peak RSS (MB) | step (s) | samples/s | ddp samples/s | samples/s / ddp |",

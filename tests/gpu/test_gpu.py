@@ -292,6 +292,30 @@ def test_tensor_parallel_on_two_gpus_matches_one_gpu(tmp_path, precision):
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-2 if precision == "bf16-mixed" else 1e-4)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_pipeline_stages_on_gpus_match_one_gpu(tmp_path, precision):
+    """model-parallel's pipeline on CUDA: 2 stages (tests/probe/tiny_gpt.py, its embedding tied to the head across
+    the stages), over nccl on 2 GPUs, or as 2 ranks sharing one GPU over gloo (point-to-point sends of CUDA
+    tensors) where the machine has one; against one process on one GPU, same global batch."""
+    from tests.test_model_parallel import YAML
+
+    def run(root: Path, *args: str) -> None:
+        common = ["-c", str(YAML), "--trainer.root_dir", str(root), "--trainer.export_dir", str(root / "export")]
+        common += ["--module.init_args.tied", "true", "--trainer.precision", precision, "--trainer.accelerator", "gpu"]
+        assert_ok(run_unifit(*args, *common, timeout=240))
+
+    run(tmp_path / "one", "fit")
+    options = json.dumps({"pipeline_parallel": 2, "microbatches": 4, "share_gpus": GPUS < 2})
+    run(tmp_path / "pp2", "launch", "--nproc-per-node", "2", "--trainer.strategy", "model-parallel",
+        "--trainer.strategy_options", options)  # fmt: skip
+    weights = [torch.load(tmp_path / r / "export" / "model.pt", weights_only=True) for r in ("one", "pp2")]
+    worst = max((weights[0][k].float() - weights[1][k].float()).abs().max().item() for k in weights[0])
+    assert worst < (2e-2 if precision == "bf16-mixed" else 1e-4), worst
+    for mine, theirs in zip(metrics_lines(tmp_path / "pp2"), metrics_lines(tmp_path / "one"), strict=True):
+        assert mine["samples_seen"] == 64.0
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-2 if precision == "bf16-mixed" else 1e-4)
+
+
 class _Wide(torch.nn.Module):
     """Activations of 16 MB per sample (a 4M-wide hidden layer, kept for backward, with its gradient): a few
     thousand samples fill any GPU, so the batch size finder meets a real CUDA out-of-memory error."""

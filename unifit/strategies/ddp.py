@@ -53,6 +53,21 @@ class DDPOptions(ProcessGroupOptions):
     static_graph: bool = False
 
 
+def average(grads: list[Any], size: int, group: Any = None) -> None:
+    """Gradients averaged over `group` (the world by default), in place: one all-reduce per dtype, flattened
+    (DDP's buckets, in one)."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
+            grad.copy_(averaged)
+
+
 def _destroy_default_group() -> None:
     import torch.distributed as dist
 
@@ -206,18 +221,8 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         """One all-reduce per dtype over the optimizer's gradients, flattened (DDP's buckets, in one)."""
         if not self._group_ready():
             return
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         params = parameters if parameters is not None else [p for g in optimizer.param_groups for p in g["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        for dtype in sorted({g.dtype for g in grads}, key=str):
-            same = [g for g in grads if g.dtype == dtype]
-            flat = _flatten_dense_tensors(same)
-            dist.all_reduce(flat)
-            flat.div_(self.world_size)
-            for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
-                grad.copy_(averaged)
+        average([p.grad for p in params if p.grad is not None], self.world_size)
 
     def _register_comm_hook(self, ddp: Any) -> None:
         """Strategies built on ddp (smddp-like) replace the gradient allreduce here."""

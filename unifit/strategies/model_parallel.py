@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import sys
 from concurrent.futures import Future
 from typing import Any, Iterable, Literal
 
@@ -29,6 +30,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from unifit.errors import ConfigError
 from unifit.strategies import sharded_state
+from unifit.strategies.ddp import average
 from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
 from unifit.strategies.torch_device import torch_device
 
@@ -204,6 +206,8 @@ class ModelParallelStrategy(FSDPStrategy):
         )
 
     def teardown(self) -> None:
+        if self._pipeline is not None and sys.exc_info()[0] is None:  # a fit that ended well: the module whole
+            self._pipeline.pipeline.gather_whole(lambda stage: stage * self.data_parallel_size * self.tensor_parallel)
         self.device_mesh = None
         self._pipeline = None
         super().teardown()
@@ -287,6 +291,11 @@ class ModelParallelStrategy(FSDPStrategy):
                 "trainer.strategy_options.pipeline_parallel: configure_model() split the model over tensor-parallel "
                 "ranks; tensor x pipeline parallelism is not built yet: split it one way"
             )
+        if "backward" in step_module.module.step_hooks():
+            raise ConfigError(
+                f"{type(model).__name__} overrides backward(); under pipeline_parallel the schedule runs backward "
+                "itself, stage by stage: drop the override, or use fsdp / tensor_parallel"
+            )
         _from_rank_zero(model)
         pipeline = Pipeline(
             step_module,
@@ -340,7 +349,8 @@ class ModelParallelStrategy(FSDPStrategy):
         if self._pipeline is not None:
             self._pipeline.pipeline.sum_shared_gradients()
             if self.data_parallel_size > 1:
-                _average(optimizer, self.device_mesh["data_parallel"].get_group(), self.data_parallel_size)
+                grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                average(grads, self.data_parallel_size, self.device_mesh["data_parallel"].get_group())
         return super().synchronized_gradients(optimizer)
 
     def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
@@ -375,6 +385,18 @@ class ModelParallelStrategy(FSDPStrategy):
         if self._pipeline is None:
             return super().training_state(module, optimizer)
         return self._gathered(module, optimizer)
+
+    def load_training_state(
+        self, module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]
+    ) -> None:
+        """Pipeline: the whole state on every rank (the other stages' weights at their shapes for it), then this
+        rank keeps its stage's."""
+        if self._pipeline is None:
+            return super().load_training_state(module, optimizer, state, storage_options)
+        pipeline = self._pipeline.pipeline
+        pipeline.materialize()
+        super().load_training_state(module, optimizer, state, storage_options)
+        pipeline.release()
 
     def start_sharded_write(
         self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
@@ -426,21 +448,6 @@ def _from_rank_zero(model: Any) -> None:
 
     for tensor in model.state_dict().values():
         dist.broadcast(tensor.data, src=0)
-
-
-def _average(optimizer: Any, group: Any, size: int) -> None:
-    """The optimizer's gradients averaged over `group`: one all-reduce per dtype, flattened."""
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    for dtype in sorted({g.dtype for g in grads}, key=str):
-        same = [g for g in grads if g.dtype == dtype]
-        flat = _flatten_dense_tensors(same)
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
-            grad.copy_(averaged)
 
 
 # transformers' tensor-parallel styles (its `_tp_plan`) that are unifit's: the same splits of the same layers

@@ -153,6 +153,10 @@ class Pipeline:
         # on every rank; and those whose gradient norm a lower stage counts
         self.shared: list[torch.nn.Parameter] = []
         self.counted_below: set[int] = set()
+        self._shared_shapes: list[torch.Size] = []
+        # the other stages' parameters, released (storage emptied) between traces, each with its stage and shape
+        self._others: list[tuple[torch.nn.Parameter, int, torch.Size]] = []
+        self._stage_of: dict[int, int] = {}  # every stage-held parameter's id -> the first stage holding it
         self._traced: dict[Any, _Traced] = {}
         self._micro: list[Any] = []
         self._call: tuple[str, int, tuple[Any, ...]] = ("training_step", 0, ())
@@ -240,6 +244,7 @@ class Pipeline:
         )
         splits = {point: pipelining.SplitPoint.BEGINNING for point in self.splits}
         network = self.holder.get_submodule(self.network)
+        self.materialize()  # a trace needs every parameter's shape (not its values)
         try:
             with warnings.catch_warnings(), _unpatched(network, self.splits):
                 warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecation notices
@@ -264,6 +269,7 @@ class Pipeline:
         if not self.owned_ids:
             self.owned_ids = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
             self._find_shared(pipe, network)
+        self.release()
         if self.speaks and len(self._traced) == 0:
             log.info(
                 "model-parallel: stage %d of %d holds %d of the %d parameter tensors of %s",
@@ -282,7 +288,14 @@ class Pipeline:
 
     def _find_shared(self, pipe: Any, network: torch.nn.Module) -> None:
         held = [{id(p) for p in pipe.get_stage_module(i).parameters()} for i in range(self.stages)]
+        for parameter in network.parameters():
+            stages = [i for i, ids in enumerate(held) if id(parameter) in ids]
+            if stages:
+                self._stage_of[id(parameter)] = stages[0]
+            if stages and self.stage_index not in stages:
+                self._others.append((parameter, stages[0], parameter.shape))
         self.shared = [p for p in network.parameters() if sum(id(p) in ids for ids in held) > 1]
+        self._shared_shapes = [p.shape for p in self.shared]
         below = set().union(*held[: self.stage_index]) if self.stage_index else set()
         self.counted_below = {id(p) for p in self.shared if id(p) in below}
         if self.shared and self.speaks and self.stage_index == 0:
@@ -300,12 +313,42 @@ class Pipeline:
 
         if not self.shared:
             return
-        mine = [p.grad if id(p) in self.owned_ids and p.grad is not None else torch.zeros_like(p) for p in self.shared]
+        mine = [
+            p.grad
+            if id(p) in self.owned_ids and p.grad is not None
+            else torch.zeros(shape, dtype=p.dtype, device=p.device)
+            for p, shape in zip(self.shared, self._shared_shapes)  # a stage without it holds it released
+        ]
         flat = _flatten_dense_tensors(mine)
         dist.all_reduce(flat, group=self.group)
         for parameter, summed in zip(self.shared, _unflatten_dense_tensors(flat, mine)):
             if id(parameter) in self.owned_ids:
                 parameter.grad = summed
+
+    # ---- the other stages' weights ---------------------------------------------------------
+    def release(self) -> None:
+        """The other stages' weights take no memory here (this rank never computes with them)."""
+        for parameter, _, _ in self._others:
+            parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+
+    def materialize(self) -> None:
+        """The other stages' parameters at their shapes again (uninitialised: a trace or a load fills them)."""
+        for parameter, _, shape in self._others:
+            if parameter.shape != shape:
+                parameter.data = torch.empty(shape, dtype=parameter.dtype, device=parameter.device)
+
+    def gather_whole(self, first_rank_of: Any) -> None:
+        """Every rank's network whole again, as trained (after fit: the module as ddp leaves it): each parameter
+        from the first rank of the first stage holding it (`first_rank_of(stage)`), one broadcast each."""
+        import torch.distributed as dist
+
+        self.materialize()
+        network = self.holder.get_submodule(self.network)
+        for parameter in network.parameters():
+            stage = self._stage_of.get(id(parameter))
+            if stage is not None:  # a parameter no stage computes with is rank 0's everywhere already
+                dist.broadcast(parameter.data, src=first_rank_of(stage))
+        self._others = []
 
     def _inputs(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> Any:
         """What the step passes the network (its first call, nothing logged), as meta tensors: shapes and dtypes."""
