@@ -261,11 +261,11 @@ def test_fsdp_two_hosts_hybrid_then_full_sharding_resume(cluster, tmp_path):
     assert_nothing_left(cluster, root)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_model_parallel_two_hosts_splits_layers_inside_each_host(cluster, tmp_path):
     """2 hosts x 2 ranks, tensor_parallel auto: 2 data-parallel x 2 tensor-parallel: each host's ranks split every
     layer of the small GPT (the tensor-parallel collectives stay on a host's own link), the hosts hold the replicas
-    (FSDP2 across); the same weights as ddp on 2 ranks of one host."""
+    (FSDP2 across); then 2 pipeline stages, one per host; both the same weights as ddp on 2 ranks of one host."""
     from tests.helpers import assert_ok, run_unifit
     from tests.probe.tiny_gpt import PLAN
     from tests.test_model_parallel import YAML
@@ -291,6 +291,18 @@ def test_model_parallel_two_hosts_splits_layers_inside_each_host(cluster, tmp_pa
     assert [line["epoch"] for line in lines] == [1, 2, 3]  # written once, by rank 0's host
     assert all(line["samples_seen"] == 64.0 for line in lines)
     assert_nothing_left(cluster, root)
+    # pipeline stages across the hosts (stage 0 on host 0's ranks, stage 1 on host 1's: only activations and their
+    # gradients cross), each stage's 2 replicas inside a host
+    staged = tmp_path / "pp"
+    options = json.dumps({"pipeline_parallel": 2})
+    fit_args = ["-c", str(YAML), "--trainer.strategy", "model-parallel", "--trainer.strategy_options", options]
+    fit_args += ["--trainer.root_dir", str(staged), "--trainer.export_dir", str(staged / "export")]
+    out = run_job(cluster, staged, torchrun_hosts(cluster, 2, "static"), fit_args, "pp")
+    assert "4 rank(s) = 2 pipeline stages x 2 data-parallel" in out, out[-4000:]
+    split = torch.load(staged / "export" / "model.pt", weights_only=True)
+    assert max((split[k] - whole[k]).abs().max().item() for k in whole) < 2e-5
+    assert all(line["samples_seen"] == 64.0 for line in metrics_lines(staged))
+    assert_nothing_left(cluster, staged)
 
 
 # ---- a host loses its network mid-run ---------------------------------------------------------------
