@@ -163,6 +163,7 @@ class Pipeline:
         self._scale: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
         self.inferring = False  # set while a schedule infers its stage's shapes (see _flag_inference)
+        self._trained = False  # a training batch came (the first is checked against the micro-batches)
 
     # ---- one batch ------------------------------------------------------------------------
     def run(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], scale: torch.Tensor | None) -> Any:
@@ -170,12 +171,13 @@ class Pipeline:
         scaled by `scale` / micro-batches) when `scale` is given, else forward only. Returns the batch's mean loss
         on the last stage (training), None elsewhere."""
         rows = _rows(batch, step)
-        if step == "training_step" and not self.owned_ids and rows % self.microbatches:
+        if step == "training_step" and not self._trained and rows % self.microbatches:
             raise ConfigError(
                 f"trainer.strategy_options.microbatches: {self.microbatches} does not divide a training batch of "
                 f"{rows} rows; set trainer.batch_size to a multiple of {self.microbatches}, or microbatches to a "
                 f"divisor of {rows}"
             )
+        self._trained = self._trained or step == "training_step"
         count = _microbatches(rows, self.microbatches)
         micro = _split(batch, count)
         traced = self._traced.get(key := (scale is not None, count, _shapes(micro[0])))
