@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -117,9 +117,12 @@ class _Given(torch.nn.Module):
 
 @dataclass
 class _Traced:
-    schedule: Any  # over this rank's PipelineStage of one trace
+    stage_module: torch.nn.Module  # this rank's stage of one trace (one micro-batch shape)
     output: tuple[int, ...]  # the network's output shape for one micro-batch
     dtype: torch.dtype
+    # (training or forward only, micro-batches) -> a schedule over its own PipelineStage (one schedule switched
+    # between training and forward only would infer the stage's metadata again at every switch)
+    schedules: dict[tuple[bool, int], Any] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -180,11 +183,13 @@ class Pipeline:
         self._trained = self._trained or step == "training_step"
         count = _microbatches(rows, self.microbatches)
         micro = _split(batch, count)
-        traced = self._traced.get(key := (scale is not None, count, _shapes(micro[0])))
+        traced = self._traced.get(key := _shapes(micro[0]))
         if traced is None:
-            traced = self._traced[key] = self._trace(step, micro[0], batch_idx, more, count, training=scale is not None)
+            traced = self._traced[key] = self._trace(step, micro[0], batch_idx, more)
+        training = scale is not None
+        schedule = traced.schedules.get((training, count)) or self._schedule(traced, count, training)
         self._micro, self._call, self._scale, self._losses = micro, (step, batch_idx, more), scale, []
-        run = traced.schedule.step if scale is not None else traced.schedule.eval
+        run = schedule.step if training else schedule.eval
         if self.last:
             run(target=torch.arange(count))
             return torch.stack(self._losses).mean() if self._losses else None
@@ -232,9 +237,7 @@ class Pipeline:
         return out
 
     # ---- a new micro-batch shape -----------------------------------------------------------
-    def _trace(
-        self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...], count: int, training: bool
-    ) -> _Traced:
+    def _trace(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> _Traced:
         import torch.distributed as dist
         from torch.distributed import pipelining
 
@@ -281,12 +284,19 @@ class Pipeline:
                 len(list(network.parameters())),
                 self.network,
             )
-        stage = pipelining.PipelineStage(stage_module, self.stage_index, self.stages, self.device, group=self.group)
+        return _Traced(stage_module, shape, dtype)
+
+    def _schedule(self, traced: _Traced, count: int, training: bool) -> Any:
+        from torch.distributed import pipelining
+
+        stage = pipelining.PipelineStage(
+            traced.stage_module, self.stage_index, self.stages, self.device, group=self.group
+        )
         kind = getattr(pipelining, SCHEDULES[self.schedule])
-        schedule = kind(stage, count, loss_fn=self._loss, scale_grads=False)
-        schedule._has_backward = training  # one mode per schedule: a switch would infer the stage's metadata again
+        schedule = traced.schedules[training, count] = kind(stage, count, loss_fn=self._loss, scale_grads=False)
+        schedule._has_backward = training
         _flag_inference(schedule, self)
-        return _Traced(schedule, shape, dtype)
+        return schedule
 
     def _find_shared(self, pipe: Any, network: torch.nn.Module) -> None:
         held = [{id(p) for p in pipe.get_stage_module(i).parameters()} for i in range(self.stages)]
