@@ -243,6 +243,7 @@ def main() -> None:
     parser.add_argument(
         "--runners", default=",".join(RUNNERS), help="which of raw,unifit,lightning (raw and unifit always run)"
     )
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="which of 32-true,bf16-mixed")
     parser.add_argument("--no-sharded", action="store_true", help="skip the ddp/fsdp table (more reps per lease)")
     parser.add_argument("--child", nargs=3, metavar=("RUNNER", "MODEL", "PRECISION"))
     args = parser.parse_args()
@@ -266,12 +267,12 @@ def main() -> None:
     started = time.time()
     runners = tuple(r for r in RUNNERS if r in {"raw", "unifit", *args.runners.split(",")})
     results: dict[str, dict[str, list[dict]]] = {
-        f"{m} {p}": {r: [] for r in runners} for m in models for p in PRECISIONS
+        f"{m} {p}": {r: [] for r in runners} for m in models for p in args.precisions.split(",")
     }
     sharded: dict[str, list[dict]] = {} if args.no_sharded else {f"{s}:{n}": [] for s, n in SHARDED}
     for rep in range(args.reps):
         for model in models:
-            for precision in PRECISIONS:
+            for precision in args.precisions.split(","):
                 order = runners if rep % 2 == 0 else tuple(reversed(runners))  # interleaved, order alternates
                 for runner in order:
                     results[f"{model} {precision}"][runner].append(_measure(args, env, runner, model, precision))
@@ -299,7 +300,8 @@ def write(
         "# GPU overhead: unifit vs a hand-written loop vs Lightning, and the fsdp step",
         "",
         f"Command: `python benchmarks/gpu_overhead.py --reps {args.reps}{f' --steps {args.steps}' if args.steps else ''} "
-        f"--models {args.models} --runners {args.runners}{' --no-sharded' if args.no_sharded else ''} "
+        f"--models {args.models} --runners {args.runners} --precisions {args.precisions}"
+        f"{' --no-sharded' if args.no_sharded else ''} "
         f"--workers {args.workers}` ({seconds / 60:.1f} min)",
         f"Machine: {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
         f"date {time.strftime('%Y-%m-%d')}; {batches}; median of {reps} interleaved runs, each in its own process; "
@@ -318,6 +320,10 @@ def write(
         mem.setdefault("lightning", float("nan"))
         ratios = [u["samples_per_s"] / r["samples_per_s"] for u, r in zip(by_runner["unifit"], by_runner["raw"])]
         per_rep = statistics.median(ratios)
+        over_lightning = [
+            u["samples_per_s"] / lt["samples_per_s"]
+            for u, lt in zip(by_runner["unifit"], by_runner.get("lightning", []))
+        ]
         summary[case] = {
             "samples_per_s": med,
             "peak_gpu_mb": mem,
@@ -325,6 +331,7 @@ def write(
             "unifit_over_raw_per_rep": per_rep,
             "unifit_over_raw_each_rep": ratios,
             "unifit_over_lightning": med["unifit"] / med["lightning"],
+            "unifit_over_lightning_each_rep": over_lightning,
             "runs": by_runner,
         }
         lines.append(
@@ -337,6 +344,12 @@ def write(
         f"- {case}: " + ", ".join(f"{r:.3f}" for r in entry["unifit_over_raw_each_rep"])
         for case, entry in summary.items()
     ]
+    if any(entry["unifit_over_lightning_each_rep"] for entry in summary.values()):
+        lines += ["", "unifit/Lightning of each rep:"]
+        lines += [
+            f"- {case}: " + ", ".join(f"{r:.3f}" for r in entry["unifit_over_lightning_each_rep"])
+            for case, entry in summary.items()
+        ]
     if any(sharded.values()):
         lines += [
             "",

@@ -259,6 +259,7 @@ def _refused(result, *needles: str) -> None:
         ({"pipeline_parallel": 2, "tensor_parallel": 2}, ["tensor x pipeline parallelism is not built yet"]),
         ({"split_points": ["net.blocks.1"]}, ["split_points split a pipeline: set pipeline_parallel above 1"]),
         ({"tensor_parallel": 2, "share_gpus": True}, ["share_gpus with tensor_parallel 2", "one GPU per rank"]),
+        ({"pipeline_parallel": 2, "share_gpus": True}, ["share_gpus with pipeline_parallel 2", "one GPU per rank"]),
         ({"plan": "auto"}, ["plan: auto, but nothing in TinyGPT carries a tensor-parallel plan", "_tp_plan"]),
     ],
 )

@@ -85,12 +85,18 @@ class ModelParallelOptions(FSDPOptions):
     )
 
     @model_validator(mode="after")
-    def _no_tensor_parallel_on_shared_gpus(self) -> ModelParallelOptions:
+    def _no_model_parallel_on_shared_gpus(self) -> ModelParallelOptions:
         if self.share_gpus and self.tensor_parallel != 1:
             raise ValueError(
                 f"share_gpus with tensor_parallel {self.tensor_parallel}: torch's DTensor collectives over gloo on "
                 "CUDA tensors end in a segfault (pytorch#152645; seen with torch 2.11 on an H100), so tensor "
                 "parallelism needs one GPU per rank (nccl); share_gpus runs fsdp, ddp and smddp-like"
+            )
+        if self.share_gpus and self.pipeline_parallel != 1:
+            raise ValueError(
+                f"share_gpus with pipeline_parallel {self.pipeline_parallel}: gloo cannot send CUDA tensors from "
+                "stage to stage ('writev: Bad address', seen with torch 2.11 on an H100), so pipeline stages need "
+                "one GPU per rank (nccl); share_gpus runs fsdp, ddp and smddp-like"
             )
         return self
 

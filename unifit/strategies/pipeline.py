@@ -425,8 +425,9 @@ class PipelinedStep(torch.nn.Module):
 
 def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
     """`pipeline.inferring` while the schedule infers its stage's shapes and gradients (its first step), which
-    calls the loss function once on tensors that are not a micro-batch's."""
-    infer = schedule._initialize_pp_stages
+    calls the loss function once on tensors that are not a micro-batch's (torch 2.13; 2.11 infers
+    without it). The single-stage schedules run the inference in `_initialize_stage` in torch 2.11 and 2.13 alike."""
+    infer = schedule._initialize_stage
 
     def flagged(*args: Any, **kwargs: Any) -> Any:
         pipeline.inferring = True
@@ -435,7 +436,7 @@ def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
         finally:
             pipeline.inferring = False
 
-    schedule._initialize_pp_stages = flagged
+    schedule._initialize_stage = flagged
 
 
 def _rebind(stage_module: torch.nn.Module, network: torch.nn.Module) -> None:
