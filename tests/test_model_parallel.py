@@ -217,6 +217,25 @@ def test_four_pipeline_stages_match_one_process_in_bf16_mixed(tmp_path):
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-3)
 
 
+@pytest.mark.timeout(300)
+def test_a_network_taking_the_targets_and_returning_logits_and_loss_runs_in_stages(tmp_path):
+    """nanoGPT's convention (transformers' too, with `labels`): the step passes the targets into the network, which
+    returns (logits, loss). The targets enter stage 0 and travel with the activations to the last stage, where the
+    loss is computed; the step gets the tuple back. The embedding is tied to the head across the 2 stages. Against
+    one process of the same batch (tests/probe/tiny_gpt.py: TargetsGPT has TinyGPT's weights)."""
+    tied = ("--module.init_args.tied", "true")
+    one, staged = tmp_path / "one", tmp_path / "staged"
+    _run(one, "single", 1, *tied)
+    targets = ("--module.class_path", "tests.probe.tiny_gpt.TargetsGPT", *tied)
+    _run(staged, "model-parallel", 2, *targets, options={"pipeline_parallel": 2, "microbatches": 4})
+    weights = _weights(staged)
+    assert torch.equal(weights["net.head.weight"], weights["net.embed.weight"])
+    assert _max_diff(weights, _weights(one)) < CLOSE
+    for mine, theirs in zip(metrics_lines(staged), metrics_lines(one), strict=True):
+        assert mine["samples_seen"] == 64.0
+        assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("options", "needles"),
@@ -226,10 +245,16 @@ def test_four_pipeline_stages_match_one_process_in_bf16_mixed(tmp_path):
             ["split_points: 'net.layers.1' names no submodule of TinyGPT", "net.blocks"],
         ),
         ({"pipeline_parallel": 2, "microbatches": 3}, ["microbatches: 3 does not divide a training batch of 8 rows"]),
+        (  # torch's tracer splits transformers' Llama into a stage that calls its rotary embedding without inputs
+            {"pipeline_parallel": 2, "class_path": "tests.probe.tiny_gpt.TransformersLlama"},
+            ["stages that cannot run (stage 0: self.model calls self.model.model without", "plan: auto"],
+        ),
     ],
 )
 def test_bad_pipeline_input_is_one_line_on_every_rank(tmp_path, options, needles):
-    result = run_unifit("launch", "--nproc-per-node", "2", *_layout(tmp_path, options), timeout=150)
+    options = dict(options)
+    module = ["--module.class_path", options.pop("class_path")] if "class_path" in options else []
+    result = run_unifit("launch", "--nproc-per-node", "2", *_layout(tmp_path, options), *module, timeout=150)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
     assert errors and all(needle in errors[0] for needle in needles), result.stderr

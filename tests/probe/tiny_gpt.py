@@ -81,6 +81,15 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class GPTWithLoss(GPT):
+    """nanoGPT's convention (and transformers' with `labels`): the targets go into the network, which returns the
+    logits and the loss, so the loss is computed inside the last pipeline stage and the targets must reach it."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = super().forward(tokens)
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def tokens(n: int, seq: int, vocab: int, seed: int) -> TensorDataset:
     """Sequences with structure to learn: each token is the previous plus a per-sequence stride."""
     g = torch.Generator().manual_seed(seed)
@@ -128,6 +137,25 @@ class TinyGPT(unifit.TrainModule):
 
     def val_dataset(self):
         return tokens(self.n_val, self.seq, self.vocab, seed=2)
+
+
+class TargetsGPT(TinyGPT):
+    """TinyGPT with its loss inside the network (GPTWithLoss): the same weights from the same seed."""
+
+    def __init__(self, tied=False) -> None:
+        super().__init__(tied=tied)
+        torch.manual_seed(0)
+        self.net = GPTWithLoss(self.vocab, 32, 4, 2, self.seq, tied)
+
+    def training_step(self, batch, batch_idx):
+        (seqs,) = batch
+        self.log("samples_seen", float(len(seqs)), reduce_fx="sum")
+        _, loss = self.net(seqs[:, :-1], seqs[:, 1:])
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (seqs,) = batch
+        self.log("val_loss", self.net(seqs[:, :-1], seqs[:, 1:])[1])
 
 
 class TokensLightning(L.LightningModule):

@@ -70,14 +70,12 @@ def network_and_splits(model: torch.nn.Module, split_points: list[str] | None, s
             f"{where}: {split_points} must lie inside one submodule the steps call (e.g. net.blocks.2 inside "
             f"self.net), not be it; received points under {sorted(roots)}"
         )
-    network = modules[root]
     outside = [n for n, p in model.named_parameters() if not n.startswith(root + ".")]
     if outside:
         raise ConfigError(
             f"{where}: the pipeline splits {root}, but {type(model).__name__} also holds parameters outside it "
             f"({', '.join(outside[:3])}); only the network the steps call can be split: move them into {root}"
         )
-    _ = network
     return root, [point[len(root) + 1 :] for point in split_points]
 
 
@@ -85,32 +83,67 @@ class _Captured(Exception):
     """Raised by the stand-in once it has the network's inputs (the first trace)."""
 
 
-class _Recorder(torch.nn.Module):
-    """Stands in for the network where the loss is not computed: records the inputs, returns zeros of the output's
-    shape (or stops the step, `output` None, when only the inputs are wanted)."""
+class _Entry(torch.nn.Module):
+    """What the pipeline traces: the network, its output flattened to the tensors in it. The output's structure
+    (one tensor, a tuple, transformers' ModelOutput) is kept, so the step gets it back whole; what is not a tensor
+    in it (a key/value cache) comes back as None."""
 
-    def __init__(self, output: tuple[tuple[int, ...], torch.dtype, torch.device] | None) -> None:
+    def __init__(self, network: torch.nn.Module, seen: list[_Structure]) -> None:
+        super().__init__()
+        self.net = network
+        self.seen = seen.append  # what the trace saw, kept outside (torch.export undoes changes to the module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        leaves, spec = tree_flatten(self.net(*args, **kwargs))
+        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        kept = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        self.seen(_Structure(spec, kept, [(tuple(t.shape), t.dtype) for t in tensors]))
+        return tensors
+
+
+@dataclass
+class _Structure:
+    """The network's output for one micro-batch: its pytree spec, which leaves are tensors, their shapes and dtypes."""
+
+    spec: Any
+    kept: list[bool]
+    tensors: list[tuple[tuple[int, ...], torch.dtype]]
+
+    def rebuild(self, tensors: Any) -> Any:
+        """The output as the network returns it, from the stage's tensors (None where it held something else)."""
+        given = iter(tensors if isinstance(tensors, (tuple, list)) else (tensors,))
+        return tree_unflatten([next(given) if kept else None for kept in self.kept], self.spec)
+
+    def zeros(self, device: torch.device) -> Any:
+        return self.rebuild([torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in self.tensors])
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for the network where the loss is not computed: records the inputs, returns zeros shaped as the
+    output (or stops the step, `output` None, when only the inputs are wanted)."""
+
+    def __init__(self, output: tuple[_Structure, torch.device] | None) -> None:
         super().__init__()
         self.output = output
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append((args, kwargs))
         if self.output is None:
             raise _Captured
-        shape, dtype, device = self.output
-        return torch.zeros(shape, dtype=dtype, device=device)
+        structure, device = self.output
+        return structure.zeros(device)
 
 
 class _Given(torch.nn.Module):
     """Stands in for the network on the last stage: the pipeline's output for this micro-batch."""
 
-    def __init__(self, output: torch.Tensor) -> None:
+    def __init__(self, output: Any) -> None:
         super().__init__()
         self.output = output
         self.calls: list[Any] = []
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append(None)
         return self.output
 
@@ -118,8 +151,7 @@ class _Given(torch.nn.Module):
 @dataclass
 class _Traced:
     stage_module: torch.nn.Module  # this rank's stage of one trace (one micro-batch shape)
-    output: tuple[int, ...]  # the network's output shape for one micro-batch
-    dtype: torch.dtype
+    output: _Structure  # the network's output for one micro-batch
     # (training or forward only, micro-batches) -> a schedule over its own PipelineStage (one schedule switched
     # between training and forward only would infer the stage's metadata again at every switch)
     schedules: dict[tuple[bool, int], Any] = field(default_factory=dict)
@@ -165,6 +197,7 @@ class Pipeline:
         self._call: tuple[str, int, tuple[Any, ...]] = ("training_step", 0, ())
         self._scale: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
+        self._structure: _Structure | None = None  # the current trace's output
         self.inferring = False  # set while a schedule infers its stage's shapes (see _flag_inference)
         self._trained = False  # a training batch came (the first is checked against the micro-batches)
 
@@ -189,11 +222,12 @@ class Pipeline:
         training = scale is not None
         schedule = traced.schedules.get((training, count)) or self._schedule(traced, count, training)
         self._micro, self._call, self._scale, self._losses = micro, (step, batch_idx, more), scale, []
+        self._structure = traced.output
         run = schedule.step if training else schedule.eval
         if self.last:
-            run(target=torch.arange(count))
+            run(target=torch.arange(count), return_outputs=False)  # the step has them (a loss among them: no merge)
             return torch.stack(self._losses).mean() if self._losses else None
-        recorder = _Recorder((traced.output, traced.dtype, self.device))
+        recorder = _Recorder((traced.output, self.device))
         with torch.no_grad():
             for each in micro:
                 self._user_step(step, each, batch_idx, more, recorder)
@@ -204,17 +238,30 @@ class Pipeline:
             run()
         return None
 
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function on the last stage: the step as written, on micro-batch `target`."""
         if self.inferring:  # the schedule's first call infers shapes on uninitialised tensors: not a micro-batch
-            return (output * 0).sum()
+            return torch.stack(
+                [(t * 0).sum() for t in (output if isinstance(output, (tuple, list)) else (output,))]
+            ).sum()
         step, batch_idx, more = self._call
-        out = self._user_step(step, self._micro[int(target)], batch_idx, more, _Given(output))
+        assert self._structure is not None  # run() set it
+        given = _Given(self._structure.rebuild(output))
+        out = self._user_step(step, self._micro[int(target)], batch_idx, more, given)
         if self._scale is None:  # forward only (validation): what the step logged is all
-            return torch.zeros((), device=output.device)
+            return torch.zeros((), device=self.device)
         loss = _loss_of(out, step)
         self._losses.append(loss.detach())
         return loss * (self._scale / len(self._micro))
+
+    def _zeroed_while_inferring(self, stage_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        """torch 2.13 infers a stage's shapes by running it on uninitialised tensors made for its inputs (past the
+        first stage): integer ones (token ids, targets travelling to the last stage) are zeroed then, so that
+        indexing with them stays in range."""
+        if self.inferring:
+            for tensor in tree_flatten(args)[0]:
+                if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+                    tensor.zero_()
 
     def _user_step(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], standin: Any) -> Any:
         holder, collector = self.holder, self.module._unifit_collector
@@ -247,13 +294,16 @@ class Pipeline:
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), example[0]
         )
-        splits = {point: pipelining.SplitPoint.BEGINNING for point in self.splits}
+        splits = {f"net.{point}": pipelining.SplitPoint.BEGINNING for point in self.splits}
         network = self.holder.get_submodule(self.network)
+        seen: list[_Structure] = []
+        entry = _Entry(network, seen)  # its parameters are the network's, named "net." + the network's own names
         self.materialize()  # a trace needs every parameter's shape (not its values)
+        copying = network.register_forward_pre_hook(_copied_inputs, with_kwargs=True)
         try:
             with warnings.catch_warnings(), _unpatched(network, self.splits):
                 warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecation notices
-                pipe = pipelining.pipeline(network, mb_args=tuple(args), mb_kwargs=kwargs, split_spec=splits)
+                pipe = pipelining.pipeline(entry, mb_args=tuple(args), mb_kwargs=kwargs, split_spec=splits)
         except Exception as exc:
             raise ConfigError(
                 f"trainer.strategy_options.pipeline_parallel: {type(network).__name__} (self.{self.network}) cannot "
@@ -261,19 +311,24 @@ class Pipeline:
                 f"{str(exc.__cause__ or exc).splitlines()[0][:200]}); remove data-dependent Python control flow from "
                 "its forward, or use fsdp"
             ) from None
+        finally:
+            copying.remove()
         if pipe.num_stages != self.stages:
             raise ConfigError(
                 f"trainer.strategy_options.split_points: the trace of self.{self.network} has {pipe.num_stages} "
                 f"stages for pipeline_parallel {self.stages}; name points its forward passes through, in order"
             )
+        for each in range(self.stages):  # every rank checks every stage: all refuse alike
+            _check_calls(pipe.get_stage_module(each), each, self.network)
         stage_module = pipe.get_stage_module(self.stage_index)
+        if not self.first:
+            stage_module.register_forward_pre_hook(self._zeroed_while_inferring)
         for each in range(self.stages):  # every stage's, so that each rank knows which stages hold a tied weight
-            _rebind(pipe.get_stage_module(each), network)
-        shape, dtype = _output(pipe.get_stage_module(self.stages - 1), self.network, _rows(micro, step))
-        self._check_shared(stage_module, network)
+            _rebind(pipe.get_stage_module(each), entry)
+        self._check_shared(stage_module, entry)
         if not self.owned_ids:
             self.owned_ids = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
-            self._find_shared(pipe, network)
+            self._find_shared(pipe, entry)
         self.release()
         if self.speaks and len(self._traced) == 0:
             log.info(
@@ -284,7 +339,7 @@ class Pipeline:
                 len(list(network.parameters())),
                 self.network,
             )
-        return _Traced(stage_module, shape, dtype)
+        return _Traced(stage_module, seen[-1])  # the trace ran the forward
 
     def _schedule(self, traced: _Traced, count: int, training: bool) -> Any:
         from torch.distributed import pipelining
@@ -384,12 +439,16 @@ class Pipeline:
         )
 
     def _check_shared(self, stage_module: torch.nn.Module, network: torch.nn.Module) -> None:
-        """The stage must compute with the network's own parameters and buffers (the optimizer's, the checkpoint's)."""
-        mine = {id(t) for t in (*network.parameters(), *network.buffers())}
-        if any(id(t) not in mine for t in (*stage_module.parameters(), *stage_module.buffers())):
+        """The stage must compute with the network's own parameters (the optimizer's, the checkpoint's). Its buffers
+        are the network's where named as one (_rebind); others are constants the forward makes, which the trace
+        lifts (a transformers attention's `lifted_tensor_0`)."""
+        mine = {id(t) for t in network.parameters()}
+        copied = [name for name, t in stage_module.named_parameters() if id(t) not in mine]
+        if copied:
             raise ConfigError(
                 f"trainer.strategy_options.pipeline_parallel: the trace of self.{self.network} copied its parameters "
-                "or buffers, so its stages would train copies; use fsdp for this model"
+                f"({', '.join(name.removeprefix('net.') for name in copied[:3])}), so its stages would train copies; "
+                "use fsdp for this model"
             )
 
 
@@ -437,6 +496,36 @@ def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
             pipeline.inferring = False
 
     schedule._initialize_stage = flagged
+
+
+def _check_calls(stage_module: torch.nn.Module, index: int, network: str) -> None:
+    """torch's tracer keeps the network's submodules as graphs of their own; with some networks (transformers'
+    Llama: its rotary embedding) a stage calls one without the inputs its graph takes, which would fail at the
+    first step. Refused here, in one line."""
+    for name, module in stage_module.named_modules():
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            called = module.get_submodule(node.target) if node.op == "call_module" else None
+            inner = getattr(called, "graph", None)
+            if not isinstance(inner, torch.fx.Graph):
+                continue
+            wanted = [n.target for n in inner.nodes if n.op == "placeholder" and not str(n.target).startswith("*")]
+            if len(node.args) + len(node.kwargs) < len(wanted):
+                where = ".".join(part for part in (network, name.removeprefix("net").lstrip(".")) if part)
+                raise ConfigError(
+                    f"trainer.strategy_options.pipeline_parallel: torch's pipeline tracer split self.{network} into "
+                    f"stages that cannot run (stage {index}: self.{where} calls self.{where}.{node.target} without "
+                    f"the inputs {wanted} of its traced graph); split it with tensor_parallel (a transformers model: "
+                    "plan: auto) or fsdp instead"
+                )
+
+
+def _copied_inputs(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    """The network's inputs copied as it starts (in the trace only), so that each one enters stage 0 and travels on
+    with the activations: torch's traced stages take the batch's inputs on the first stage only, so a transformers
+    model's `labels`, read by its loss at the end, would not reach the last stage. (A copy made before the network's
+    call, outside it, breaks torch's split of the network's module calls.)"""
+    return tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
 
 
 def _rebind(stage_module: torch.nn.Module, network: torch.nn.Module) -> None:
@@ -517,18 +606,6 @@ def _stacked(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[tuple[
         spec = flat[0][1]
         out.append(([torch.cat(parts) for parts in zip(*(leaves for leaves, _ in flat))], spec))
     return out
-
-
-def _output(last: torch.nn.Module, network: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
-    """The network's output shape and dtype for one micro-batch, from the last stage's trace."""
-    (out,) = last.graph.output_node().args
-    value = out.meta.get("val") if hasattr(out, "meta") else None
-    if not isinstance(value, torch.Tensor):
-        raise ConfigError(
-            f"trainer.strategy_options.pipeline_parallel: self.{network} returns {type(value).__name__}; under "
-            "pipeline parallelism the network returns one tensor (compute the rest in the step)"
-        )
-    return tuple(value.shape), value.dtype
 
 
 def _loss_of(out: Any, step: str) -> torch.Tensor:
