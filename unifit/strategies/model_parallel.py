@@ -13,25 +13,22 @@ sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole
   another layout (this one at another size, fsdp, or one process).
 With `pipeline_parallel` P the mesh gets a third, outermost dimension: the network is split by layers into P
 stages over consecutive blocks of ranks, micro-batches run through torch.distributed.pipelining's schedules
-(pipeline.py), and the data-parallel ranks of a stage hold replicas of it (gradients averaged, as ddp); tensor
-parallelism does not combine with it yet.
+(pipeline.py; the strategy's training hooks under stages: pipeline_training.py), and the data-parallel ranks of a
+stage hold replicas of it (gradients averaged, as ddp); tensor parallelism does not combine with it yet.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import logging
 import sys
-from concurrent.futures import Future
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
 from unifit.errors import ConfigError
-from unifit.strategies import sharded_state
-from unifit.strategies.ddp import average
 from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
+from unifit.strategies.pipeline_training import PipelineTraining
 from unifit.strategies.torch_device import torch_device
 
 log = logging.getLogger("unifit")
@@ -115,7 +112,7 @@ class ModelParallelOptions(FSDPOptions):
         return self
 
 
-class ModelParallelStrategy(FSDPStrategy):
+class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
     """Tensor parallelism inside groups of ranks, FSDP2 over the groups: one DeviceMesh (data_parallel, tensor_parallel)."""
 
     name = "model-parallel"
@@ -125,8 +122,6 @@ class ModelParallelStrategy(FSDPStrategy):
     def tensor_parallel(self) -> int:
         wanted = self.options.tensor_parallel
         return self.env.local_world_size if wanted == "auto" else wanted
-
-    _pipeline: Any = None  # pipeline.PipelinedStep, with pipeline_parallel above 1
 
     @property
     def pipeline_parallel(self) -> int:
@@ -325,127 +320,6 @@ class ModelParallelStrategy(FSDPStrategy):
             )
         self._pipeline = PipelinedStep(step_module, pipeline)
         return self._pipeline
-
-    def setup_manual(
-        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
-    ) -> tuple[Any, list[Any]]:
-        if self.pipeline_parallel > 1:
-            raise ConfigError(
-                f"{type(step_module.module.state_module).__name__}: manual optimization (automatic_optimization = "
-                "False) under pipeline_parallel: the schedule runs backward itself; use automatic optimization, or "
-                "fsdp / tensor_parallel"
-            )
-        return super().setup_manual(step_module, optimizers, device, precision)
-
-    def accumulating(self, wrapped: Any) -> Any:
-        """Pipelining reduces each batch's gradients itself (a stage's replicas: at the step)."""
-        if self._pipeline is not None:
-            return contextlib.nullcontext()
-        return super().accumulating(wrapped)
-
-    def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:
-        if self._pipeline is not None:
-            self._pipeline.backward(loss, self.precision)
-            return
-        super().backward(loss, *args, run=run, **kwargs)
-
-    def synchronized_gradients(self, optimizer: Any) -> Any:
-        """Pipeline: tied weights' gradients summed over the stages, then a stage's averaged over its replicas (ddp's
-        average, over the data-parallel ranks)."""
-        if self._pipeline is not None:
-            self._pipeline.pipeline.sum_shared_gradients()
-            if self.data_parallel_size > 1:
-                grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-                average(grads, self.data_parallel_size, self.device_mesh["data_parallel"].get_group())
-        return super().synchronized_gradients(optimizer)
-
-    def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
-        """Pipeline: the norm over every stage's gradients (each rank holds one stage's), then each clipped by it."""
-        if self._pipeline is None:
-            return super().clip_gradients(parameters, max_norm)
-        import torch
-        import torch.distributed as dist
-
-        with_grads = [p for p in parameters if p.grad is not None]
-        below = self._pipeline.pipeline.counted_below  # a tied weight's gradient counts once, on its lowest stage
-        counted = [p.grad for p in with_grads if id(p) not in below]
-        local = torch.nn.utils.get_total_norm(counted) if counted else None
-        squared = (local.float() ** 2) if local is not None else torch.zeros((), device=self._pipeline.pipeline.device)
-        dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
-        if with_grads:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, squared.sqrt())
-
-    def copy_from_rank_zero(self, tensors: dict[str, Any]) -> None:
-        """Pipeline: from the first replica of this rank's stage (rank 0 holds another stage's values)."""
-        if self._pipeline is None:
-            return super().copy_from_rank_zero(tensors)
-        import torch.distributed as dist
-
-        if self.data_parallel_size == 1:
-            return
-        group = self.device_mesh["data_parallel"].get_group()
-        for tensor in tensors.values():
-            dist.broadcast(tensor.data, group=group, group_src=0)
-
-    def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
-        if self._pipeline is None:
-            return super().training_state(module, optimizer)
-        return self._gathered(module, optimizer)
-
-    def load_training_state(
-        self, module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]
-    ) -> None:
-        """Pipeline: the whole state on every rank (the other stages' weights at their shapes for it), then this
-        rank keeps its stage's."""
-        if self._pipeline is None:
-            return super().load_training_state(module, optimizer, state, storage_options)
-        pipeline = self._pipeline.pipeline
-        pipeline.materialize()
-        super().load_training_state(module, optimizer, state, storage_options)
-        pipeline.release()
-
-    def start_sharded_write(
-        self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
-    ) -> tuple[dict[str, Any], Future | None]:
-        """Pipeline: rank 0 holds the whole state (training_state gathered it): it writes, as one process does."""
-        if self._pipeline is None:
-            return super().start_sharded_write(state, url, storage_options)
-        return state, None
-
-    def full_model_state(self, module: Any) -> dict[str, Any]:
-        if self._pipeline is None:
-            return super().full_model_state(module)
-        return self._gathered(module, None)["model"]
-
-    def _gathered(self, module: Any, optimizer: Any) -> dict[str, Any]:
-        """The whole model (and optimizer) as one process holds them, on rank 0: each stage's tensors from its first
-        replica; a checkpoint any strategy resumes from (the other ranks return their own)."""
-        import torch
-        from torch.utils._pytree import tree_map_only
-
-        owner = sharded_state.state_module(module)
-        owned = self._pipeline.pipeline.owned_ids if self._pipeline is not None else set()
-        model = owner.state_dict(keep_vars=True)
-        optimizer_state = optimizer.state_dict() if optimizer is not None else None
-        part: dict[str, Any] | None = None
-        if self.data_parallel_rank == 0:
-            to_host = lambda tree: tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), tree)  # noqa: E731
-            part = {"model": to_host({k: v for k, v in model.items() if id(v) in owned})}
-            if optimizer_state is not None:
-                order = [p for group in optimizer.param_groups for p in group["params"]]
-                mine = {i for i, p in enumerate(order) if id(p) in owned}
-                part["optimizer"] = to_host({i: s for i, s in optimizer_state["state"].items() if i in mine})
-        parts = [p for p in self.all_gather_object(part) if p is not None]
-        state: dict[str, Any] = {"model": {k: v.detach() for k, v in model.items()}}
-        if optimizer_state is not None:
-            state["optimizer"] = optimizer_state
-        if not self.is_global_zero:
-            return state
-        for each in parts:
-            state["model"].update(each["model"])
-            if optimizer_state is not None:
-                optimizer_state["state"] = {**optimizer_state["state"], **each["optimizer"]}
-        return state
 
 
 def _from_rank_zero(model: Any) -> None:
