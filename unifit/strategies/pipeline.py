@@ -241,9 +241,8 @@ class Pipeline:
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function on the last stage: the step as written, on micro-batch `target`."""
         if self.inferring:  # the schedule's first call infers shapes on uninitialised tensors: not a micro-batch
-            return torch.stack(
-                [(t * 0).sum() for t in (output if isinstance(output, (tuple, list)) else (output,))]
-            ).sum()
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            return torch.stack([(t * 0).sum() for t in outputs if t.is_floating_point()]).sum()
         step, batch_idx, more = self._call
         assert self._structure is not None  # run() set it
         given = _Given(self._structure.rebuild(output))
