@@ -172,7 +172,7 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     staged = tmp_path / "pp2xdp2"
     layout = {"pipeline_parallel": 2, "microbatches": 4}
     out = _run(staged, "model-parallel", 4, *data, "--trainer.max_epochs", "2", options=layout)
-    assert "4 rank(s) = 2 pipeline stages x 2 data-parallel" in out.stderr, out.stderr
+    assert "4 rank(s) = 2 pipeline stages x 2 data-parallel x 1 tensor-parallel" in out.stderr, out.stderr
     assert "net split into 2 stages at net.blocks.1 (1f1b schedule)" in out.stderr, out.stderr
     assert "1 parameter(s) held by several stages (tied weights)" in out.stderr, out.stderr
     ckpt = _checkpoint(staged, 2)
@@ -203,15 +203,20 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
 
 
 @pytest.mark.timeout(400)
-def test_four_pipeline_stages_match_one_process_in_bf16_mixed(tmp_path):
-    """4 stages (an even split of the 4 blocks), the GPipe schedule, 4 micro-batches, no data parallelism."""
+def test_four_pipeline_stages_built_from_the_blocks_match_one_process_in_bf16_mixed(tmp_path):
+    """4 stages (an even split of the 4 blocks) built from the blocks, not traced (`stages: blocks`: the middle
+    stages pass the blocks before them through and end at the block after them; the embedding, the position
+    table and the head are every stage's, their gradients summed), the GPipe schedule, 4 micro-batches, no data
+    parallelism."""
     deeper = ("--module.init_args.layers", "4", "--trainer.precision", "bf16-mixed")
     one = tmp_path / "one"
     _run(one, "single", 1, *deeper)
     staged = tmp_path / "pp4"
-    options = {"pipeline_parallel": 4, "schedule": "gpipe", "microbatches": 4}
+    options = {"pipeline_parallel": 4, "schedule": "gpipe", "microbatches": 4, "stages": "blocks"}
     out = _run(staged, "model-parallel", 4, *deeper, options=options)
     assert "net split into 4 stages at net.blocks.1, net.blocks.2, net.blocks.3" in out.stderr, out.stderr
+    assert "stage 2 of 4 runs blocks 2-2 of self.net.blocks" in out.stderr, out.stderr
+    assert "5 parameter(s) held by several stages (the network's outside its blocks)" in out.stderr, out.stderr
     assert _max_diff(_weights(staged), _weights(one)) < 2e-2  # bf16 (float32: 1e-5 above)
     for mine, theirs in zip(metrics_lines(staged), metrics_lines(one), strict=True):
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-3)
@@ -236,6 +241,62 @@ def test_a_network_taking_the_targets_and_returning_logits_and_loss_runs_in_stag
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
 
 
+@pytest.mark.timeout(400)
+def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_layouts(tmp_path):
+    """TP2 x PP2 on 4 ranks (torchtitan's layout without data parallelism): each of the 2 stages, built from the
+    blocks, has its layers split over its 2 tensor-parallel ranks by the YAML plan (the embedding and the head,
+    tied, on both stages); clipping, accumulation and warmup. Against one process of the same global batch; its
+    checkpoint (gathered whole) resumes under TP2 x PP2 on the other schedule and in one process."""
+    tied = ("--module.init_args.tied", "true")
+    one = tmp_path / "one"
+    _run(one, "single", 1, *tied)
+    staged = tmp_path / "tp2xpp2"
+    layout = {**LAYOUT, "pipeline_parallel": 2, "microbatches": 4}
+    out = _run(staged, "model-parallel", 4, *tied, options=layout)
+    assert "4 rank(s) = 2 pipeline stages x 1 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
+    assert "8 layer(s) split over 2 ranks (4 colwise, 1 colwise_gather, 3 rowwise)" in out.stderr, out.stderr
+    assert "stage 1 of 2 runs blocks 1-1 of self.net.blocks" in out.stderr, out.stderr
+    reference = _weights(one)
+    weights = _weights(staged)
+    assert torch.equal(weights["net.head.weight"], weights["net.embed.weight"])  # still one weight
+    assert _max_diff(weights, reference) < CLOSE  # measured 1.6e-6
+    for mine, theirs in zip(metrics_lines(staged), metrics_lines(one), strict=True):
+        assert (mine["samples_seen"], mine["val_samples"]) == (64.0, 32.0)  # each sample once, not per rank
+        for key in ("train/loss", "val_loss"):
+            assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
+    ckpt = _checkpoint(staged, 2)
+    resumed = tmp_path / "resumed"
+    _run(resumed, "model-parallel", 4, *tied, options={**layout, "schedule": "gpipe"}, ckpt=ckpt)
+    alone = tmp_path / "alone"
+    _run(alone, "single", 1, *tied, ckpt=ckpt)
+    for root in (resumed, alone):
+        assert _max_diff(_weights(root), reference) < CLOSE, root.name
+
+
+@pytest.mark.timeout(300)
+def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_one_process(tmp_path):
+    """transformers' Llama (its code unchanged, tied embeddings, `labels` into the model, the loss inside it): torch's
+    tracer builds a stage that cannot run (its rotary embedding called without inputs), so unifit builds the 2
+    stages from its decoder layers; each stage computes the rotary table and the mask itself. Against one process."""
+    llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama")
+    one, staged = tmp_path / "one", tmp_path / "staged"
+    _run(one, "single", 1, *llama)
+    out = _run(staged, "model-parallel", 2, *llama, options={"pipeline_parallel": 2, "microbatches": 4})
+    assert (
+        "torch's tracer cannot build the stages (torch's pipeline tracer split self.model into stages that cannot"
+        in out.stderr
+    )
+    assert "built from the blocks of self.model.model.layers instead" in out.stderr, out.stderr
+    weights = _weights(staged)
+    assert torch.equal(weights["model.lm_head.weight"], weights["model.model.embed_tokens.weight"])
+    assert _max_diff(weights, _weights(one)) < CLOSE  # measured 7.6e-7
+    assert _max_diff(weights, _initial_llama()) > 0.05  # it trained
+    for mine, theirs in zip(metrics_lines(staged), metrics_lines(one), strict=True):
+        assert mine["samples_seen"] == 64.0
+        for key in ("train_loss", "val_loss"):
+            assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("options", "needles"),
@@ -245,16 +306,24 @@ def test_a_network_taking_the_targets_and_returning_logits_and_loss_runs_in_stag
             ["split_points: 'net.layers.1' names no submodule of TinyGPT", "net.blocks"],
         ),
         ({"pipeline_parallel": 2, "microbatches": 3}, ["microbatches: 3 does not divide a training batch of 8 rows"]),
-        (  # torch's tracer splits transformers' Llama into a stage that calls its rotary embedding without inputs
-            {"pipeline_parallel": 2, "class_path": "tests.probe.tiny_gpt.TransformersLlama"},
-            ["stages that cannot run (stage 0: self.model calls self.model.model without", "plan: auto"],
+        (  # the first block's output read after the last: a later stage passes block 0 through, so it would differ
+            {"pipeline_parallel": 2, "stages": "blocks", "cli": ["--module.init_args.skip", "true"]},
+            ["self.net split into stages at its blocks does not compute what it computes whole", "skip connection"],
+        ),
+        (
+            {"pipeline_parallel": 2, "stages": "blocks", "split_points": ["net.norm"]},
+            ["stages: blocks needs split points that are items of one list of blocks", "net.norm"],
+        ),
+        (
+            {"pipeline_parallel": 2, "tensor_parallel": 2, "nproc": 4},
+            ["tensor_parallel: 2 with pipeline_parallel 2, but no plan", "plan: auto"],
         ),
     ],
 )
 def test_bad_pipeline_input_is_one_line_on_every_rank(tmp_path, options, needles):
     options = dict(options)
-    module = ["--module.class_path", options.pop("class_path")] if "class_path" in options else []
-    result = run_unifit("launch", "--nproc-per-node", "2", *_layout(tmp_path, options), *module, timeout=150)
+    extra, procs = options.pop("cli", []), str(options.pop("nproc", 2))
+    result = run_unifit("launch", "--nproc-per-node", procs, *_layout(tmp_path, options), *extra, timeout=150)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
     assert errors and all(needle in errors[0] for needle in needles), result.stderr
@@ -281,8 +350,12 @@ def _refused(result, *needles: str) -> None:
         ({"tensor_parallel": 2}, ["tensor_parallel: 2 does not divide the world size 1"]),
         ({"data_parallel": 2}, ["data_parallel: 2 x tensor_parallel 1 x pipeline_parallel 1 is not the world size 1"]),
         ({"pipeline_parallel": 2}, ["tensor_parallel 1 x pipeline_parallel 2 does not divide the world size 1"]),
-        ({"pipeline_parallel": 2, "tensor_parallel": 2}, ["tensor x pipeline parallelism is not built yet"]),
+        (
+            {"pipeline_parallel": 2, "tensor_parallel": 2, "stages": "trace"},
+            ["tensor_parallel 2 and stages: trace", "set stages: blocks"],
+        ),
         ({"split_points": ["net.blocks.1"]}, ["split_points split a pipeline: set pipeline_parallel above 1"]),
+        ({"stages": "blocks"}, ["stages split a pipeline: set pipeline_parallel above 1"]),
         ({"tensor_parallel": 2, "share_gpus": True}, ["share_gpus with tensor_parallel 2", "one GPU per rank"]),
         ({"pipeline_parallel": 2, "share_gpus": True}, ["share_gpus with pipeline_parallel 2", "one GPU per rank"]),
         ({"plan": "auto"}, ["plan: auto, but nothing in TinyGPT carries a tensor-parallel plan", "_tp_plan"]),

@@ -65,8 +65,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, tied: bool = False) -> None:
+    def __init__(
+        self, vocab: int, dim: int, heads: int, layers: int, seq: int, tied: bool = False, skip: bool = False
+    ) -> None:
         super().__init__()
+        self.skip = skip  # the first block's output added again after the last: a skip across every split point
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
@@ -76,9 +79,11 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        outputs = []
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+            outputs.append(x)
+        return self.head(self.norm(x + outputs[0] if self.skip else x))
 
 
 class GPTWithLoss(GPT):
@@ -105,10 +110,12 @@ def lm_loss(net: nn.Module, batch) -> torch.Tensor:
 
 
 class TinyGPT(unifit.TrainModule):
-    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3, tied=False) -> None:
+    def __init__(
+        self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3, tied=False, skip=False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = GPT(vocab, dim, heads, layers, seq, tied)
+        self.net = GPT(vocab, dim, heads, layers, seq, tied, skip)
         self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
         self.val_samples = torchmetrics.SumMetric()
 

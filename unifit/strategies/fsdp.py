@@ -120,7 +120,7 @@ class FSDPStrategy(DDPStrategy):
         before = {id(p): name for name, p in step_module.named_parameters()}
         wrapped, optimizer = super().setup_module_and_optimizer(step_module, optimizer, device, precision, accumulate)
         if wrapped is step_module and self._group_ready():
-            _follow_shards(optimizer, before, step_module)
+            follow_shards(optimizer, before, step_module)
         return wrapped, optimizer
 
     def setup_manual(
@@ -134,7 +134,7 @@ class FSDPStrategy(DDPStrategy):
         wrapped = self.wrap_module(step_module, device)
         if self._group_ready():
             for optimizer in optimizers:
-                _follow_shards(optimizer, before, step_module)
+                follow_shards(optimizer, before, step_module)
         return wrapped, optimizers
 
     def late_gradients(self, optimizer: Any) -> list[Any]:
@@ -254,20 +254,11 @@ class FSDPStrategy(DDPStrategy):
         (torch's clip_grad_norm_ refuses gradients on several meshes: tensor-parallel layers beside others)."""
         import torch
 
-        groups: list[tuple[Any, list[Any]]] = []  # (mesh or None for plain tensors, its parameters)
-        for parameter in (p for p in parameters if p.grad is not None):
-            mesh = getattr(parameter.grad, "device_mesh", None)
-            group = next((g for m, g in groups if m == mesh), None)
-            if group is None:
-                groups.append((mesh, group := []))
-            group.append(parameter)
-        norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for _, group in groups]
-        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-        if not norms:
-            return
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-        for _, group in groups:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        with_grads = [p for p in parameters if p.grad is not None]
+        if with_grads:
+            total = total_norm([p.grad for p in with_grads])
+            for group in by_mesh(with_grads, lambda parameter: parameter.grad):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
     # ---- state IO -------------------------------------------------------------------------
     def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
@@ -354,6 +345,28 @@ class FSDPStrategy(DDPStrategy):
         return get_model_state_dict(owner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def by_mesh(items: list[Any], tensor_of: Any = lambda item: item) -> list[list[Any]]:
+    """`items` grouped by the mesh of `tensor_of(item)` (a DTensor's), plain tensors' together."""
+    groups: list[tuple[Any, list[Any]]] = []  # (mesh or None for plain tensors, its items)
+    for tensor in items:
+        mesh = getattr(tensor_of(tensor), "device_mesh", None)
+        group = next((g for m, g in groups if m == mesh), None)
+        if group is None:
+            groups.append((mesh, group := []))
+        group.append(tensor)
+    return [group for _, group in groups]
+
+
+def total_norm(grads: list[Any]) -> Any:
+    """The 2-norm of all of `grads` together, a plain tensor: DTensor shards' norms combined over their meshes
+    (torch's get_total_norm refuses gradients on several meshes: tensor-parallel layers beside others)."""
+    import torch
+
+    norms = [torch.nn.utils.get_total_norm(group) for group in by_mesh(grads)]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
 def _gathered_through_host(state: dict[str, Any], keep: bool) -> dict[str, Any]:
     """`state`'s sharded tensors gathered whole from host copies of the shards (what get_model_state_dict's
     full_state_dict does on the devices); on the rank that `keep`s them, the rest get {}."""
@@ -389,7 +402,7 @@ def _refuse_float16(precision: Any) -> None:
         )
 
 
-def _follow_shards(optimizer: Any, before: dict[int, str], step_module: Any) -> None:
+def follow_shards(optimizer: Any, before: dict[int, str], step_module: Any) -> None:
     """The optimizer was built on the unsharded parameters (`before`: id -> name): it takes the shards."""
     sharded = dict(step_module.named_parameters())
     for group in optimizer.param_groups:

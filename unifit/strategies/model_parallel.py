@@ -14,7 +14,9 @@ sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole
 With `pipeline_parallel` P the mesh gets a third, outermost dimension: the network is split by layers into P
 stages over consecutive blocks of ranks, micro-batches run through torch.distributed.pipelining's schedules
 (pipeline.py; the strategy's training hooks under stages: pipeline_training.py), and the data-parallel ranks of a
-stage hold replicas of it (gradients averaged, as ddp); tensor parallelism does not combine with it yet.
+stage hold replicas of it (gradients averaged, as ddp). With both, a stage's layers are split over its
+tensor-parallel ranks by the plan (the stages built from the network's blocks: pipeline_blocks.py), each rank
+handing its activations to the rank of the same tensor-parallel place in the next stage (torchtitan's 3-D layout).
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ class ModelParallelOptions(FSDPOptions):
         description="pipeline: module names (as in named_modules(), inside the network the steps call, e.g. "
         "net.blocks.2) where stages 1, 2, ... begin; none: the longest ModuleList or Sequential split evenly",
     )
+    stages: Literal["auto", "trace", "blocks"] = Field(
+        "auto",
+        description="pipeline: how the stages are built. trace: torch's pipeline tracer (torch.export; each stage "
+        "holds its own layers only). blocks: from the network's own blocks (the split points must be items of one "
+        "list of blocks): every stage runs the network's code around the blocks and holds its weights outside them, "
+        "which any forward allows (transformers' Llama). auto: trace, else blocks where the tracer cannot",
+    )
     schedule: Literal["gpipe", "1f1b"] = Field(
         "1f1b",
         description="pipeline: gpipe (every micro-batch forward, then backward) or 1f1b (interleaved: less memory)",
@@ -101,13 +110,14 @@ class ModelParallelOptions(FSDPOptions):
     def _pipeline_options(self) -> ModelParallelOptions:
         if self.pipeline_parallel == 1:
             given = [n for n in ("split_points", "microbatches") if getattr(self, n) is not None]
+            given += ["stages"] if self.stages != "auto" else []
             if given:
                 raise ValueError(f"{', '.join(given)} split a pipeline: set pipeline_parallel above 1, or drop them")
-        elif self.tensor_parallel != 1 or self.plan:
+        elif self.tensor_parallel != 1 and self.stages == "trace":
             raise ValueError(
-                f"pipeline_parallel {self.pipeline_parallel} with tensor_parallel {self.tensor_parallel}"
-                f"{' and a plan' if self.plan else ''}: tensor x pipeline parallelism is not built yet; use one of them "
-                "(the other ranks are data parallel)"
+                f"pipeline_parallel {self.pipeline_parallel} with tensor_parallel {self.tensor_parallel} and stages: "
+                "trace: tensor parallelism splits the layers of stages built from the blocks; set stages: blocks "
+                "(or auto)"
             )
         return self
 
@@ -187,11 +197,12 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
         if self.pipeline_parallel > 1:
             opts = self.options
             log.info(
-                "model-parallel: %d rank(s) = %d pipeline stages x %d data-parallel (mesh dims %s; the ranks of a "
-                "stage are consecutive), schedule %s, %d micro-batches",
+                "model-parallel: %d rank(s) = %d pipeline stages x %d data-parallel x %d tensor-parallel (mesh dims "
+                "%s; the ranks of a stage are consecutive), schedule %s, %d micro-batches",
                 self.world_size,
                 self.pipeline_parallel,
                 self.data_parallel_size,
+                self.tensor_parallel,
                 ", ".join(PIPELINE_DIMS),
                 opts.schedule,
                 opts.microbatches or self.pipeline_parallel,
@@ -208,7 +219,10 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
 
     def teardown(self) -> None:
         if self._pipeline is not None and sys.exc_info()[0] is None:  # a fit that ended well: the module whole
-            self._pipeline.pipeline.gather_whole(lambda stage: stage * self.data_parallel_size * self.tensor_parallel)
+            was = _unsplit(self._pipeline.step_module.module.state_module)
+            self._pipeline.pipeline.gather_whole(
+                lambda stage: stage * self.data_parallel_size * self.tensor_parallel, was
+            )
         self.device_mesh = None
         self._pipeline = None
         super().teardown()
@@ -290,7 +304,15 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
         if _tensor_parallel_meshes(model):
             raise ConfigError(
                 "trainer.strategy_options.pipeline_parallel: configure_model() split the model over tensor-parallel "
-                "ranks; tensor x pipeline parallelism is not built yet: split it one way"
+                "ranks before the stages are cut; under pipeline stages give the split as trainer.strategy_options."
+                "plan (or plan: auto) instead, and unifit splits each stage's layers"
+            )
+        plan = _resolved_plan(model, opts.plan)
+        if self.tensor_parallel > 1 and not plan:
+            raise ConfigError(
+                f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel} with pipeline_parallel "
+                f"{self.pipeline_parallel}, but no plan; give trainer.strategy_options.plan (module name -> colwise / "
+                "rowwise / colwise_gather), or plan: auto for a transformers model"
             )
         if "backward" in step_module.module.step_hooks():
             raise ConfigError(
@@ -309,7 +331,10 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             opts.schedule,
             opts.microbatches or self.pipeline_parallel,
             speaks=self.data_parallel_rank == 0,
+            builder="blocks" if self.tensor_parallel > 1 else opts.stages,
         )
+        if self.tensor_parallel > 1:  # this stage's layers (and those around the blocks, every stage's) split
+            self._split(model, pipeline.this_stages(plan))
         if self.is_global_zero:
             log.info(
                 "model-parallel: %s split into %d stages at %s (%s schedule)",
@@ -320,6 +345,25 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             )
         self._pipeline = PipelinedStep(step_module, pipeline)
         return self._pipeline
+
+
+def _unsplit(model: Any) -> dict[int, int]:
+    """Each tensor-parallel parameter whole again, a plain one (gathered over its group; a tied one stays one).
+    Returns {id of the new parameter: id of the one it replaces}."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    whole: dict[int, Any] = {}
+    was: dict[int, int] = {}
+    for module in model.modules():
+        for name, parameter in list(module._parameters.items()):
+            if isinstance(parameter, DTensor):
+                if id(parameter) not in whole:
+                    gathered = parameter.full_tensor().detach()
+                    whole[id(parameter)] = torch.nn.Parameter(gathered, requires_grad=parameter.requires_grad)
+                    was[id(whole[id(parameter)])] = id(parameter)
+                module._parameters[name] = whole[id(parameter)]
+    return was
 
 
 def _from_rank_zero(model: Any) -> None:

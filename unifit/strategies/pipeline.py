@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from unifit.errors import ConfigError
+from unifit.strategies.pipeline_blocks import BlockStage, block_bounds, check_chained, evaluating
 
 log = logging.getLogger("unifit")
 
@@ -172,6 +173,7 @@ class Pipeline:
         schedule: str,
         microbatches: int,
         speaks: bool,
+        builder: str = "auto",
     ) -> None:
         self.module = step_module.module  # the TrainModule (a LightningModule's adapter): its steps and its logging
         self.holder = self.module.state_module  # the nn.Module holding the network as an attribute
@@ -183,12 +185,23 @@ class Pipeline:
         self.schedule = schedule
         self.microbatches = microbatches
         self.speaks = speaks  # this rank logs its stage's layout (the first replica's ranks)
+        # how the stages are built: "trace" (torch's tracer), "blocks" (pipeline_blocks.py), or "auto" (the tracer,
+        # else the blocks, decided at the first build)
+        self.builder = builder
+        self._bounds = block_bounds(self.holder.get_submodule(network), splits)
+        if builder == "blocks" and self._bounds is None:
+            raise ConfigError(
+                f"trainer.strategy_options.stages: blocks needs split points that are items of one list of blocks "
+                f"(e.g. {network}.layers.2); received {', '.join(f'{network}.{p}' for p in splits)}: name such "
+                "points, or set stages: trace"
+            )
         self.owned_ids: set[int] = set()  # ids of this stage's parameters and buffers (known from the first trace)
         # parameters several stages hold (tied weights: an embedding and the head reading it), in the network's order
         # on every rank; and those whose gradient norm a lower stage counts
         self.shared: list[torch.nn.Parameter] = []
         self.counted_below: set[int] = set()
         self._shared_shapes: list[torch.Size] = []
+        self._unused: set[int] | None = None  # shared parameters no stage computes a gradient for (the first step)
         # the other stages' parameters, released (storage emptied) between traces, each with its stage and shape
         self._others: list[tuple[torch.nn.Parameter, int, torch.Size]] = []
         self._stage_of: dict[int, int] = {}  # every stage-held parameter's id -> the first stage holding it
@@ -218,20 +231,32 @@ class Pipeline:
         micro = _split(batch, count)
         traced = self._traced.get(key := _shapes(micro[0]))
         if traced is None:
-            traced = self._traced[key] = self._trace(step, micro[0], batch_idx, more)
+            traced = self._traced[key] = self._build(step, micro[0], batch_idx, more)
         training = scale is not None
         schedule = traced.schedules.get((training, count)) or self._schedule(traced, count, training)
         self._micro, self._call, self._scale, self._losses = micro, (step, batch_idx, more), scale, []
         self._structure = traced.output
         run = schedule.step if training else schedule.eval
+        blocks = isinstance(traced.stage_module, BlockStage)  # every stage takes the network's inputs
+        inputs: list[torch.Tensor] = []
         if self.last:
-            run(target=torch.arange(count), return_outputs=False)  # the step has them (a loss among them: no merge)
+            if blocks:
+                inputs = _joined([self._inputs(step, each, batch_idx, more) for each in micro])
+            named = {f"input{i}": leaf for i, leaf in enumerate(inputs)}
+            # the step has the outputs (a loss among them: no merge)
+            run(target=torch.arange(count), return_outputs=False, **named)
             return torch.stack(self._losses).mean() if self._losses else None
         recorder = _Recorder((traced.output, self.device))
         with torch.no_grad():
             for each in micro:
                 self._user_step(step, each, batch_idx, more, recorder)
-        if self.first:
+        if blocks:
+            inputs = _joined(recorder.calls)
+            if self.first:
+                run(*inputs)
+            else:
+                run(**{f"input{i}": leaf for i, leaf in enumerate(inputs)})
+        elif self.first:
             args = [tree_unflatten(list(parts), spec) for parts, spec in _stacked(recorder.calls)]
             run(*args[0], **args[1])
         else:
@@ -256,7 +281,7 @@ class Pipeline:
     def _zeroed_while_inferring(self, stage_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         """torch 2.13 infers a stage's shapes by running it on uninitialised tensors made for its inputs (past the
         first stage): integer ones (token ids, targets travelling to the last stage) are zeroed then, so that
-        indexing with them stays in range."""
+        indexing with them stays in range. (Keyword inputs are the micro-batch's own, real: left as they are.)"""
         if self.inferring:
             for tensor in tree_flatten(args)[0]:
                 if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
@@ -283,11 +308,75 @@ class Pipeline:
         return out
 
     # ---- a new micro-batch shape -----------------------------------------------------------
+    def _build(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> _Traced:
+        """This rank's stage for the micro-batch's shapes: traced, or built from the blocks (`builder`; auto: the
+        tracer, else the blocks where the split points allow, decided at the first build on every rank alike)."""
+        if self.builder != "blocks":
+            try:
+                traced = self._trace(step, micro, batch_idx, more)
+                self.builder = "trace"
+                return traced
+            except _Untraced as untraced:
+                if self._bounds is None:
+                    raise ConfigError(str(untraced)) from None
+                self.builder = "blocks"
+                if self.speaks and self.stage_index == 0:
+                    log.info(
+                        "model-parallel: torch's tracer cannot build the stages (%s); they are built from the blocks "
+                        "of self.%s.%s instead",
+                        str(untraced).removeprefix("trainer.strategy_options.pipeline_parallel: ")[:160],
+                        self.network,
+                        self._bounds[0],
+                    )
+        return self._from_blocks(step, micro, batch_idx, more)
+
+    def _from_blocks(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> _Traced:
+        import torch.distributed as dist
+
+        example = [_to_host(self._inputs(step, micro, batch_idx, more)) if self.first else None]
+        dist.broadcast_object_list(example, group=self.group, group_src=0)
+        leaves, spec = tree_flatten(example[0])
+        leaves = [leaf.to(self.device) for leaf in leaves]
+        network = self.holder.get_submodule(self.network)
+        assert self._bounds is not None  # _build checked
+        name, bounds = self._bounds
+        blocks = network.get_submodule(name)
+        stages = [BlockStage(network, blocks, bounds[i], bounds[i + 1], spec) for i in range(self.stages)]
+        seen: list[_Structure] = []
+        self.materialize()  # the whole network runs once here, for its output's structure
+        with evaluating(network):
+            call_args, call_kwargs = tree_unflatten(leaves, spec)
+            _Entry(network, seen)(*call_args, **call_kwargs)
+        if not self.owned_ids:  # the first build: every weight is rank 0's still
+            check_chained(stages, network, leaves, self.network)
+            tensors = lambda modules: {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}  # noqa: E731
+            per_stage = [tensors(list(blocks)[bounds[i] : bounds[i + 1]]) for i in range(self.stages)]
+            outside = tensors([network]) - set().union(*per_stage)
+            held = [ids | outside for ids in per_stage]
+            self.owned_ids = held[self.stage_index]
+            self._find_shared(held, network)
+        self.release()
+        stage = stages[self.stage_index]
+        if not self.first:
+            stage.register_forward_pre_hook(self._zeroed_while_inferring)
+        if self.speaks and len(self._traced) == 0:
+            log.info(
+                "model-parallel: stage %d of %d runs blocks %d-%d of self.%s.%s (and what the network computes "
+                "around them)",
+                self.stage_index,
+                self.stages,
+                bounds[self.stage_index],
+                bounds[self.stage_index + 1] - 1,
+                self.network,
+                name,
+            )
+        return _Traced(stage, seen[-1])
+
     def _trace(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> _Traced:
         import torch.distributed as dist
         from torch.distributed import pipelining
 
-        example = [self._inputs(step, micro, batch_idx, more) if self.first else None]
+        example = [_to_meta(self._inputs(step, micro, batch_idx, more)) if self.first else None]
         dist.broadcast_object_list(example, group=self.group, group_src=0)
         # every rank traces with zeros of those shapes, so every rank's trace is the same graph
         args, kwargs = tree_map_only(
@@ -298,6 +387,42 @@ class Pipeline:
         seen: list[_Structure] = []
         entry = _Entry(network, seen)  # its parameters are the network's, named "net." + the network's own names
         self.materialize()  # a trace needs every parameter's shape (not its values)
+        try:
+            pipe = self._traced_pipe(entry, network, splits, args, kwargs)
+            failure = None
+        except ConfigError as refused:
+            failure = refused
+        if self.builder == "auto":  # every rank learns whether any stage failed: all build the same way
+            flag = torch.tensor([0.0 if failure is None else 1.0], device=self.device)
+            dist.all_reduce(flag, group=self.group)
+            if flag.item():
+                raise _Untraced(str(failure) if failure else "another stage's trace failed")
+        if failure is not None:
+            raise failure
+        stage_module = pipe.get_stage_module(self.stage_index)
+        if not self.first:
+            stage_module.register_forward_pre_hook(self._zeroed_while_inferring)
+        if not self.owned_ids:
+            self.owned_ids = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
+            self._find_shared(
+                [{id(p) for p in pipe.get_stage_module(i).parameters()} for i in range(self.stages)], entry
+            )
+        self.release()
+        if self.speaks and len(self._traced) == 0:
+            log.info(
+                "model-parallel: stage %d of %d holds %d of the %d parameter tensors of %s",
+                self.stage_index,
+                self.stages,
+                len(list(stage_module.parameters())),
+                len(list(network.parameters())),
+                self.network,
+            )
+        return _Traced(stage_module, seen[-1])  # the trace ran the forward
+
+    def _traced_pipe(self, entry: _Entry, network: torch.nn.Module, splits: Any, args: Any, kwargs: Any) -> Any:
+        """torch's pipeline of the network, its stages checked (each rank checks every stage: all refuse alike)."""
+        from torch.distributed import pipelining
+
         copying = network.register_forward_pre_hook(_copied_inputs, with_kwargs=True)
         try:
             with warnings.catch_warnings(), _unpatched(network, self.splits):
@@ -317,28 +442,12 @@ class Pipeline:
                 f"trainer.strategy_options.split_points: the trace of self.{self.network} has {pipe.num_stages} "
                 f"stages for pipeline_parallel {self.stages}; name points its forward passes through, in order"
             )
-        for each in range(self.stages):  # every rank checks every stage: all refuse alike
+        for each in range(self.stages):
             _check_calls(pipe.get_stage_module(each), each, self.network)
-        stage_module = pipe.get_stage_module(self.stage_index)
-        if not self.first:
-            stage_module.register_forward_pre_hook(self._zeroed_while_inferring)
         for each in range(self.stages):  # every stage's, so that each rank knows which stages hold a tied weight
             _rebind(pipe.get_stage_module(each), entry)
-        self._check_shared(stage_module, entry)
-        if not self.owned_ids:
-            self.owned_ids = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
-            self._find_shared(pipe, entry)
-        self.release()
-        if self.speaks and len(self._traced) == 0:
-            log.info(
-                "model-parallel: stage %d of %d holds %d of the %d parameter tensors of %s",
-                self.stage_index,
-                self.stages,
-                len(list(stage_module.parameters())),
-                len(list(network.parameters())),
-                self.network,
-            )
-        return _Traced(stage_module, seen[-1])  # the trace ran the forward
+            self._check_shared(pipe.get_stage_module(each), entry)
+        return pipe
 
     def _schedule(self, traced: _Traced, count: int, training: bool) -> Any:
         from torch.distributed import pipelining
@@ -352,8 +461,8 @@ class Pipeline:
         _flag_inference(schedule, self)
         return schedule
 
-    def _find_shared(self, pipe: Any, network: torch.nn.Module) -> None:
-        held = [{id(p) for p in pipe.get_stage_module(i).parameters()} for i in range(self.stages)]
+    def _find_shared(self, held: list[set[int]], network: torch.nn.Module) -> None:
+        """`held`: the ids of the tensors each stage holds."""
         for parameter in network.parameters():
             stages = [i for i, ids in enumerate(held) if id(parameter) in ids]
             if stages:
@@ -361,35 +470,54 @@ class Pipeline:
             if stages and self.stage_index not in stages:
                 self._others.append((parameter, stages[0], parameter.shape))
         self.shared = [p for p in network.parameters() if sum(id(p) in ids for ids in held) > 1]
-        self._shared_shapes = [p.shape for p in self.shared]
+        self._shared_shapes = [local(p).shape for p in self.shared]
         below = set().union(*held[: self.stage_index]) if self.stage_index else set()
         self.counted_below = {id(p) for p in self.shared if id(p) in below}
         if self.shared and self.speaks and self.stage_index == 0:
             log.info(
-                "model-parallel: %d parameter(s) held by several stages (tied weights): their gradients are summed "
-                "over the stages",
+                "model-parallel: %d parameter(s) held by several stages (%s): their gradients are summed over the "
+                "stages",
                 len(self.shared),
+                "the network's outside its blocks" if self.builder == "blocks" else "tied weights",
             )
 
     def sum_shared_gradients(self) -> None:
         """A tied weight's gradient is the sum of what each stage holding it computed: summed over the stages
-        (one all-reduce; stages that do not hold it add zeros and keep none)."""
+        (one all-reduce; stages that do not hold it add zeros and keep none). One that no stage computed a gradient
+        for at the first step (a weight the forward does not use) keeps none, as in one process (the optimizer
+        skips it): counted once, so no step waits on the host after."""
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         if not self.shared:
             return
-        mine = [
-            p.grad
+        mine = [  # a tensor-parallel one's local shard: the stages' ranks of one tensor-parallel place hold the same
+            local(_placed_as(p, p.grad))
             if id(p) in self.owned_ids and p.grad is not None
             else torch.zeros(shape, dtype=p.dtype, device=p.device)
             for p, shape in zip(self.shared, self._shared_shapes)  # a stage without it holds it released
         ]
+        if self._unused is None:
+            had = [float(id(p) in self.owned_ids and p.grad is not None) for p in self.shared]
+            counts = torch.tensor(had, device=mine[0].device)
+            dist.all_reduce(counts, group=self.group)
+            self._unused = {id(p) for p, count in zip(self.shared, counts.tolist()) if not count}
         flat = _flatten_dense_tensors(mine)
         dist.all_reduce(flat, group=self.group)
         for parameter, summed in zip(self.shared, _unflatten_dense_tensors(flat, mine)):
             if id(parameter) in self.owned_ids:
-                parameter.grad = summed
+                parameter.grad = None if id(parameter) in self._unused else _shaped_like(parameter, summed)
+
+    def this_stages(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """The entries of a tensor-parallel plan (names in the module holding the network) this rank's stage holds:
+        those outside the other stages' blocks."""
+        assert self._bounds is not None  # tensor parallelism builds from the blocks (checked at __init__)
+        name, bounds = self._bounds
+        start, end = bounds[self.stage_index], bounds[self.stage_index + 1]
+        others = [
+            ".".join(p for p in (self.network, name, str(i)) if p) for i in range(bounds[-1]) if not start <= i < end
+        ]
+        return {k: v for k, v in plan.items() if not any(k == o or k.startswith(o + ".") for o in others)}
 
     # ---- the other stages' weights ---------------------------------------------------------
     def release(self) -> None:
@@ -403,21 +531,22 @@ class Pipeline:
             if parameter.shape != shape:
                 parameter.data = torch.empty(shape, dtype=parameter.dtype, device=parameter.device)
 
-    def gather_whole(self, first_rank_of: Any) -> None:
+    def gather_whole(self, first_rank_of: Any, was: dict[int, int] | None = None) -> None:
         """Every rank's network whole again, as trained (after fit: the module as ddp leaves it): each parameter
-        from the first rank of the first stage holding it (`first_rank_of(stage)`), one broadcast each."""
+        from the first rank of the first stage holding it (`first_rank_of(stage)`), one broadcast each. `was`: the
+        ids of parameters that replaced split ones (gathered whole), to the ids they replaced."""
         import torch.distributed as dist
 
         self.materialize()
         network = self.holder.get_submodule(self.network)
         for parameter in network.parameters():
-            stage = self._stage_of.get(id(parameter))
+            stage = self._stage_of.get((was or {}).get(id(parameter), id(parameter)))
             if stage is not None:  # a parameter no stage computes with is rank 0's everywhere already
                 dist.broadcast(parameter.data, src=first_rank_of(stage))
         self._others = []
 
     def _inputs(self, step: str, micro: Any, batch_idx: int, more: tuple[Any, ...]) -> Any:
-        """What the step passes the network (its first call, nothing logged), as meta tensors: shapes and dtypes."""
+        """What the step passes the network, (args, kwargs) (its first call, nothing logged)."""
         recorder = _Recorder(None)
         with _muted(self.module), torch.no_grad(), contextlib.suppress(_Captured):
             self._user_step(step, micro, batch_idx, more, recorder)
@@ -433,9 +562,7 @@ class Pipeline:
                 f"{type(self.holder).__name__}.{step} passes self.{self.network} {', '.join(kinds)} arguments; under "
                 "pipeline parallelism the network takes tensors only (their rows are the micro-batch's)"
             )
-        return tree_map_only(
-            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), recorder.calls[0]
-        )
+        return recorder.calls[0]
 
     def _check_shared(self, stage_module: torch.nn.Module, network: torch.nn.Module) -> None:
         """The stage must compute with the network's own parameters (the optimizer's, the checkpoint's). Its buffers
@@ -449,6 +576,10 @@ class Pipeline:
                 f"({', '.join(name.removeprefix('net.') for name in copied[:3])}), so its stages would train copies; "
                 "use fsdp for this model"
             )
+
+
+class _Untraced(ConfigError):
+    """torch's tracer could not build runnable stages on some rank (builder auto: the blocks may)."""
 
 
 class PipelinedStep(torch.nn.Module):
@@ -605,6 +736,57 @@ def _stacked(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[tuple[
         spec = flat[0][1]
         out.append(([torch.cat(parts) for parts in zip(*(leaves for leaves, _ in flat))], spec))
     return out
+
+
+def local(tensor: Any) -> Any:
+    """A tensor-parallel (DTensor) tensor's shard on this rank; a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():  # the shard itself (under autograd: a view that refuses in-place writes)
+        return tensor.to_local()
+
+
+def _placed_as(parameter: Any, grad: Any) -> Any:
+    """A tensor-parallel gradient placed as its parameter (an embedding's comes back partial, say: each stage's
+    must be the same shards to be summed)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(parameter.placements):
+        return grad
+    with torch.no_grad():
+        return grad.redistribute(parameter.device_mesh, parameter.placements)
+
+
+def _shaped_like(parameter: Any, shard: torch.Tensor) -> Any:
+    """`shard` as the parameter's gradient: a DTensor placed as the parameter where it is one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(parameter, DTensor):
+        return shard
+    with torch.no_grad():
+        return DTensor.from_local(
+            shard,
+            parameter.device_mesh,
+            parameter.placements,
+            run_check=False,
+            shape=parameter.shape,
+            stride=parameter.stride(),
+        )
+
+
+def _joined(calls: list[Any]) -> list[torch.Tensor]:
+    """The recorded network calls' (args, kwargs) of each micro-batch, flattened, each leaf joined along dim 0."""
+    return [torch.cat(parts) for parts in zip(*(tree_flatten(call)[0] for call in calls))]
+
+
+def _to_meta(tree: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), tree)
+
+
+def _to_host(tree: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), tree)
 
 
 def _loss_of(out: Any, step: str) -> torch.Tensor:

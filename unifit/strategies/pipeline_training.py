@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from unifit.errors import ConfigError
 from unifit.strategies import sharded_state
 from unifit.strategies.ddp import average
+from unifit.strategies.fsdp import by_mesh, follow_shards, total_norm
 
 
 class PipelineTraining:
@@ -20,12 +21,23 @@ class PipelineTraining:
     _pipeline: Any = None  # pipeline.PipelinedStep, with pipeline_parallel above 1
     # ModelParallelStrategy's
     pipeline_parallel: int
+    tensor_parallel: int
+    rank: int
     data_parallel_size: int
     data_parallel_rank: int
     device_mesh: Any
     precision: Any
     is_global_zero: bool
     all_gather_object: Any
+
+    def setup_module_and_optimizer(
+        self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
+    ) -> tuple[Any, Any]:
+        before = {id(p): name for name, p in step_module.named_parameters()}
+        wrapped, optimizer = super().setup_module_and_optimizer(step_module, optimizer, device, precision, accumulate)
+        if self._pipeline is not None:  # tensor parallelism replaced the split layers' parameters: the optimizer's too
+            follow_shards(optimizer, before, step_module)
+        return wrapped, optimizer
 
     def setup_manual(
         self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
@@ -55,8 +67,10 @@ class PipelineTraining:
         average, over the data-parallel ranks)."""
         if self._pipeline is not None:
             self._pipeline.pipeline.sum_shared_gradients()
-            if self.data_parallel_size > 1:
-                grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if self.data_parallel_size > 1:  # a tensor-parallel gradient: its shard (the replicas' places match)
+                from unifit.strategies.pipeline import local
+
+                grads = [local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
                 average(grads, self.data_parallel_size, self.device_mesh["data_parallel"].get_group())
         return super().synchronized_gradients(optimizer)
 
@@ -70,11 +84,11 @@ class PipelineTraining:
         with_grads = [p for p in parameters if p.grad is not None]
         below = self._pipeline.pipeline.counted_below  # a tied weight's gradient counts once, on its lowest stage
         counted = [p.grad for p in with_grads if id(p) not in below]
-        local = torch.nn.utils.get_total_norm(counted) if counted else None
-        squared = (local.float() ** 2) if local is not None else torch.zeros((), device=self._pipeline.pipeline.device)
+        stage = total_norm(counted) if counted else None  # over the stage's tensor-parallel shards too
+        squared = (stage.float() ** 2) if stage is not None else torch.zeros((), device=self._pipeline.pipeline.device)
         dist.all_reduce(squared, group=self.device_mesh["pipeline_parallel"].get_group())
-        if with_grads:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, squared.sqrt())
+        for group in by_mesh(with_grads, lambda parameter: parameter.grad):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, squared.sqrt())
 
     def copy_from_rank_zero(self, tensors: dict[str, Any]) -> None:
         """Pipeline: from the first replica of this rank's stage (rank 0 holds another stage's values)."""
@@ -102,7 +116,10 @@ class PipelineTraining:
             return super().load_training_state(module, optimizer, state, storage_options)
         pipeline = self._pipeline.pipeline
         pipeline.materialize()
-        super().load_training_state(module, optimizer, state, storage_options)
+        if self.tensor_parallel > 1:
+            _load_split(module, optimizer, state, storage_options)
+        else:
+            super().load_training_state(module, optimizer, state, storage_options)
         pipeline.release()
 
     def start_sharded_write(
@@ -122,6 +139,7 @@ class PipelineTraining:
         """The whole model (and optimizer) as one process holds them, on rank 0: each stage's tensors from its first
         replica; a checkpoint any strategy resumes from (the other ranks return their own)."""
         import torch
+        from torch.distributed.tensor import DTensor
         from torch.utils._pytree import tree_map_only
 
         owner = sharded_state.state_module(module)
@@ -129,13 +147,16 @@ class PipelineTraining:
         model = owner.state_dict(keep_vars=True)
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
         part: dict[str, Any] | None = None
-        if self.data_parallel_rank == 0:
-            to_host = lambda tree: tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), tree)  # noqa: E731
+        if self.data_parallel_rank == 0:  # a tensor-parallel tensor gathered whole (its group's ranks: this line)
+            whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+            to_host = lambda tree: tree_map_only(torch.Tensor, lambda t: whole(t).detach().cpu(), tree)  # noqa: E731
             part = {"model": to_host({k: v for k, v in model.items() if id(v) in owned})}
             if optimizer_state is not None:
                 order = [p for group in optimizer.param_groups for p in group["params"]]
                 mine = {i for i, p in enumerate(order) if id(p) in owned}
                 part["optimizer"] = to_host({i: s for i, s in optimizer_state["state"].items() if i in mine})
+            if self.rank % self.tensor_parallel:  # the group's first rank sends it
+                part = None
         parts = [p for p in self.all_gather_object(part) if p is not None]
         state: dict[str, Any] = {"model": {k: v.detach() for k, v in model.items()}}
         if optimizer_state is not None:
@@ -147,3 +168,50 @@ class PipelineTraining:
             if optimizer_state is not None:
                 optimizer_state["state"] = {**optimizer_state["state"], **each["optimizer"]}
         return state
+
+
+def _load_split(module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]) -> None:
+    """A whole checkpoint (any strategy's) into a module whose stage layers are split over tensor-parallel ranks:
+    each rank keeps its shard of a split tensor (cut from the whole one here, no communication), and the optimizer's
+    state of a split parameter is cut alike."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from unifit.strategies.torch_training import each_optimizer
+
+    if sharded_state.SHARDS in state:
+        whole = sharded_state.read_whole(state[sharded_state.SHARDS], storage_options)
+        optimizer_state = each_optimizer(
+            optimizer, lambda o, s: sharded_state.by_index(s, o, module), whole["optimizer"]
+        )
+    else:
+        whole, optimizer_state = state, state.get("optimizer")
+
+    def cut(value: Any, like: Any) -> Any:
+        if not isinstance(like, DTensor) or isinstance(value, DTensor) or value.shape != like.shape:
+            return value
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+    owner = sharded_state.state_module(module)
+    targets = owner.state_dict(keep_vars=True)
+    unknown = sorted(set(whole["model"]) - set(targets))
+    if unknown:
+        raise ConfigError(f"--ckpt-path: the checkpoint holds {', '.join(unknown[:3])}, which the module has not")
+    with torch.no_grad():
+        for key, value in whole["model"].items():
+            target = targets[key]
+            if isinstance(target, DTensor):
+                target.to_local().copy_(cut(value, target).to_local())
+            else:
+                target.copy_(value)
+    if optimizer is None or optimizer_state is None:
+        return
+
+    def load(each: Any, saved: Any) -> None:
+        each.load_state_dict(saved)
+        for parameter, values in each.state.items():
+            for name, value in list(values.items()):
+                if isinstance(value, torch.Tensor):
+                    values[name] = cut(value, parameter)
+
+    each_optimizer(optimizer, load, optimizer_state)
