@@ -273,6 +273,24 @@ def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_lay
         assert _max_diff(_weights(root), reference) < CLOSE, root.name
 
 
+@pytest.mark.timeout(400)
+def test_pipeline_x_data_x_tensor_parallel_on_eight_ranks_matches_ddp(tmp_path):
+    """The 3-D layout: 2 stages x 2 replicas x 2 tensor-parallel ranks on 8 ranks (a stage's replicas average
+    their gradients shard by shard), against ddp on 2 ranks of the same global batch (the LR scaled by the 2
+    replicas in both)."""
+    short = ("--module.init_args.tied", "true", "--trainer.max_epochs", "2")
+    ddp = tmp_path / "ddp"
+    _run(ddp, "ddp", 2, *short)
+    cube = tmp_path / "cube"
+    out = _run(cube, "model-parallel", 8, *short, options={**LAYOUT, "pipeline_parallel": 2, "microbatches": 4})
+    assert "8 rank(s) = 2 pipeline stages x 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
+    assert _max_diff(_weights(cube), _weights(ddp)) < CLOSE  # measured 1.5e-6
+    for mine, theirs in zip(metrics_lines(cube), metrics_lines(ddp), strict=True):
+        assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)
+        for key in ("train/loss", "val_loss"):
+            assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
+
+
 @pytest.mark.timeout(300)
 def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_one_process(tmp_path):
     """transformers' Llama (its code unchanged, tied embeddings, `labels` into the model, the loss inside it): torch's
