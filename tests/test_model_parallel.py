@@ -336,6 +336,16 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
             {"pipeline_parallel": 2, "tensor_parallel": 2, "nproc": 4},
             ["tensor_parallel: 2 with pipeline_parallel 2, but no plan", "plan: auto"],
         ),
+        (  # a colwise layer on stage 0, the rowwise one reading it on stage 1: the handed-on activation is split
+            {
+                "pipeline_parallel": 2,
+                "tensor_parallel": 2,
+                "nproc": 4,
+                "plan": {"net.0": "colwise", "net.2": "rowwise"},
+                "cli": ["--module.class_path", "tests.probe.soak_torch.SoakModule"],
+            },
+            ["self.net cannot run with only this stage's layers split", "must lie in one stage"],
+        ),
     ],
 )
 def test_bad_pipeline_input_is_one_line_on_every_rank(tmp_path, options, needles):

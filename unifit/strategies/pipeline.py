@@ -344,11 +344,22 @@ class Pipeline:
         stages = [BlockStage(network, blocks, bounds[i], bounds[i + 1], spec) for i in range(self.stages)]
         seen: list[_Structure] = []
         self.materialize()  # the whole network runs once here, for its output's structure
-        with evaluating(network):
-            call_args, call_kwargs = tree_unflatten(leaves, spec)
-            _Entry(network, seen)(*call_args, **call_kwargs)
-        if not self.owned_ids:  # the first build: every weight is rank 0's still
-            check_chained(stages, network, leaves, self.network)
+        try:
+            with evaluating(network), _quiet("torch._subclasses.fake_tensor"):  # DTensor's failed op: a traceback
+                call_args, call_kwargs = tree_unflatten(leaves, spec)
+                _Entry(network, seen)(*call_args, **call_kwargs)
+            if not self.owned_ids:  # the first build: every weight is rank 0's still
+                check_chained(stages, network, leaves, self.network)
+        except Exception as exc:
+            if isinstance(exc, ConfigError) or not any(local(p) is not p for p in network.parameters()):
+                raise
+            # this stage's layers split, the others whole: only a split whose pairs stay inside a stage runs so
+            raise ConfigError(
+                f"trainer.strategy_options.plan: self.{self.network} cannot run with only this stage's layers split "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); a stage hands whole activations on, so "
+                "each colwise layer and the rowwise one reading it must lie in one stage: move the split points, or "
+                "drop the pair from the plan"
+            ) from None
             tensors = lambda modules: {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}  # noqa: E731
             per_stage = [tensors(list(blocks)[bounds[i] : bounds[i + 1]]) for i in range(self.stages)]
             outside = tensors([network]) - set().union(*per_stage)
@@ -686,6 +697,18 @@ def _unpatched(network: torch.nn.Module, splits: list[str]) -> Iterator[None]:
             module = network.get_submodule(point)
             for patched in ("forward", "_orig_forward"):
                 module.__dict__.pop(patched, None)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """A torch logger silenced for a moment (what it would log, unifit reports in one line)."""
+    quieted = logging.getLogger(logger)
+    level = quieted.level
+    quieted.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        quieted.setLevel(level)
 
 
 def _muted(module: Any) -> contextlib.AbstractContextManager[Any]:
