@@ -176,6 +176,7 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     assert "net split into 2 stages at net.blocks.1 (1f1b schedule)" in out.stderr, out.stderr
     assert "1 parameter(s) held by several stages (tied weights)" in out.stderr, out.stderr
     ckpt = _checkpoint(staged, 2)
+    assert (Path(ckpt) / "shards" / ".metadata").is_file()  # DCP's: every rank wrote its part
     resumed = tmp_path / "resumed"  # on the other schedule
     _run(resumed, "model-parallel", 4, *data, options={**layout, "schedule": "gpipe"}, ckpt=ckpt)
     on_fsdp = tmp_path / "on_fsdp"
@@ -246,7 +247,8 @@ def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_lay
     """TP2 x PP2 on 4 ranks (torchtitan's layout without data parallelism): each of the 2 stages, built from the
     blocks, has its layers split over its 2 tensor-parallel ranks by the YAML plan (the embedding and the head,
     tied, on both stages); clipping, accumulation and warmup. Against one process of the same global batch; its
-    checkpoint (gathered whole) resumes under TP2 x PP2 on the other schedule and in one process."""
+    checkpoint (sharded: each rank writes its stage's part) resumes under TP2 x PP2 on the other schedule and in one
+    process."""
     tied = ("--module.init_args.tied", "true")
     one = tmp_path / "one"
     _run(one, "single", 1, *tied)
@@ -265,6 +267,7 @@ def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_lay
         for key in ("train/loss", "val_loss"):
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
     ckpt = _checkpoint(staged, 2)
+    assert (Path(ckpt) / "shards" / ".metadata").is_file()  # DCP's: every rank wrote its part
     resumed = tmp_path / "resumed"
     _run(resumed, "model-parallel", 4, *tied, options={**layout, "schedule": "gpipe"}, ckpt=ckpt)
     alone = tmp_path / "alone"
@@ -300,10 +303,8 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
     one, staged = tmp_path / "one", tmp_path / "staged"
     _run(one, "single", 1, *llama)
     out = _run(staged, "model-parallel", 2, *llama, options={"pipeline_parallel": 2, "microbatches": 4})
-    assert (
-        "torch's tracer cannot build the stages (torch's pipeline tracer split self.model into stages that cannot"
-        in out.stderr
-    )
+    # (torch 2.13's tracer builds a stage that cannot run; 2.11's fails otherwise: the reason is torch's)
+    assert "torch's tracer cannot build the stages (" in out.stderr, out.stderr
     assert "built from the blocks of self.model.model.layers instead" in out.stderr, out.stderr
     weights = _weights(staged)
     assert torch.equal(weights["model.lm_head.weight"], weights["model.model.embed_tokens.weight"])

@@ -360,6 +360,7 @@ class Pipeline:
                 "each colwise layer and the rowwise one reading it must lie in one stage: move the split points, or "
                 "drop the pair from the plan"
             ) from None
+        if not self.owned_ids:
             tensors = lambda modules: {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}  # noqa: E731
             per_stage = [tensors(list(blocks)[bounds[i] : bounds[i + 1]]) for i in range(self.stages)]
             outside = tensors([network]) - set().union(*per_stage)
@@ -455,6 +456,13 @@ class Pipeline:
             )
         for each in range(self.stages):
             _check_calls(pipe.get_stage_module(each), each, self.network)
+        if _INTEGERS_REFUSED and any(_takes_integers(pipe.get_stage_module(i)) for i in range(1, self.stages)):
+            raise ConfigError(
+                f"trainer.strategy_options.pipeline_parallel: torch {torch.__version__}'s pipeline shape inference "
+                "cannot pass integer tensors from stage to stage (the targets travelling to the loss on the last "
+                "stage: 'only Tensors of floating point dtype can require gradients'); set stages: blocks, or use "
+                "torch 2.13 or later"
+            )
         for each in range(self.stages):  # every stage's, so that each rank knows which stages hold a tied weight
             _rebind(pipe.get_stage_module(each), entry)
             self._check_shared(pipe.get_stage_module(each), entry)
@@ -637,6 +645,17 @@ def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
             pipeline.inferring = False
 
     schedule._initialize_stage = flagged
+
+
+# torch before 2.13 asks every received activation to require gradients in a stage's shape inference (seen with 2.11)
+_INTEGERS_REFUSED = torch.__version__ < "2.13"
+
+
+def _takes_integers(stage_module: torch.nn.Module) -> bool:
+    """Whether a traced stage receives an integer tensor from the stage before (a target, token ids)."""
+    graph = getattr(stage_module, "graph", None)
+    values = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"] if graph is not None else []
+    return any(isinstance(v, torch.Tensor) and not v.is_floating_point() for v in values)
 
 
 def _check_calls(stage_module: torch.nn.Module, index: int, network: str) -> None:

@@ -1,24 +1,26 @@
 """The strategy's training hooks under pipeline stages (model-parallel with `pipeline_parallel` above 1; the stages
 themselves are pipeline.py's): the schedule runs backward, tied weights' gradients are summed over the stages and a
-stage's averaged over its replicas, clipping takes the norm over every stage, and checkpoints are gathered whole on
-rank 0. Without a pipeline each hook is the data-parallel base's (the next class in the strategy's MRO)."""
+stage's averaged over its replicas, clipping takes the norm over every stage, checkpoints are written sharded (each
+rank its stage's part, through DCP) and the export gathered whole on rank 0. Without a pipeline each hook is the data-parallel base's (the next class in the strategy's MRO)."""
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
 from typing import Any, Iterable
 
 from unifit.errors import ConfigError
 from unifit.strategies import sharded_state
 from unifit.strategies.ddp import average
 from unifit.strategies.fsdp import by_mesh, follow_shards, total_norm
+from unifit.strategies.torch_training import each_optimizer
 
 
 class PipelineTraining:
     """Mixed into ModelParallelStrategy before FSDPStrategy; `_pipeline` is the PipelinedStep while stages run."""
 
     _pipeline: Any = None  # pipeline.PipelinedStep, with pipeline_parallel above 1
+    _unowned: set[str] | None = None  # the state's names no stage holds (rank 0 writes them)
+    _trim_pending = False  # a resumed optimizer state holds the other stages' too (dropped at the first step)
     # ModelParallelStrategy's
     pipeline_parallel: int
     tensor_parallel: int
@@ -66,6 +68,9 @@ class PipelineTraining:
         """Pipeline: tied weights' gradients summed over the stages, then a stage's averaged over its replicas (ddp's
         average, over the data-parallel ranks)."""
         if self._pipeline is not None:
+            if self._trim_pending:  # a resumed state: the other stages' optimizer state is not this rank's to keep
+                each_optimizer(optimizer, lambda o: _keep_owned(o, self._pipeline.pipeline.owned_ids))
+                self._trim_pending = False
             self._pipeline.pipeline.sum_shared_gradients()
             if self.data_parallel_size > 1:  # a tensor-parallel gradient: its shard (the replicas' places match)
                 from unifit.strategies.pipeline import local
@@ -103,9 +108,26 @@ class PipelineTraining:
             dist.broadcast(tensor.data, group=group, group_src=0)
 
     def training_state(self, module: Any, optimizer: Any) -> dict[str, Any]:
+        """Pipeline: what this rank's stage holds, by name (a split tensor's shard), for DCP's sharded write (fsdp's
+        start_sharded_write): every rank writes its part, none gathers the whole; the tensors no stage holds (a
+        buffer no stage reads), rank 0 writes. Before the first batch has built the stages every rank holds the whole
+        state (as resumed or begun): each writes it, DCP keeps one copy."""
         if self._pipeline is None:
             return super().training_state(module, optimizer)
-        return self._gathered(module, optimizer)
+        owner = sharded_state.state_module(module)
+        owned = self._pipeline.pipeline.owned_ids
+        model = owner.state_dict(keep_vars=True)
+        if not owned:
+            named = each_optimizer(optimizer, lambda o: sharded_state.by_name(o.state_dict(), o, module))
+            return {"model": {k: v.detach() for k, v in model.items()}, "optimizer": named}
+        if self._unowned is None:  # once: the names no stage holds
+            mine = [k for k, v in model.items() if id(v) in owned]
+            held = set().union(*self.all_gather_object(mine))
+            self._unowned = {k for k in model if k not in held}
+        keep = {
+            k: v.detach() for k, v in model.items() if id(v) in owned or (self.is_global_zero and k in self._unowned)
+        }
+        return {"model": keep, "optimizer": each_optimizer(optimizer, lambda o: _named_owned(o, module, owned))}
 
     def load_training_state(
         self, module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]
@@ -121,53 +143,42 @@ class PipelineTraining:
         else:
             super().load_training_state(module, optimizer, state, storage_options)
         pipeline.release()
-
-    def start_sharded_write(
-        self, state: dict[str, Any], url: str, storage_options: dict[str, Any]
-    ) -> tuple[dict[str, Any], Future | None]:
-        """Pipeline: rank 0 holds the whole state (training_state gathered it): it writes, as one process does."""
-        if self._pipeline is None:
-            return super().start_sharded_write(state, url, storage_options)
-        return state, None
+        self._trim_pending = optimizer is not None  # at the first step, when the stages are built
 
     def full_model_state(self, module: Any) -> dict[str, Any]:
+        """Pipeline: the whole model as one process holds it, on rank 0 (the export): each stage's tensors from its
+        first replica, a split one gathered from its group first (the other ranks return their own)."""
         if self._pipeline is None:
             return super().full_model_state(module)
-        return self._gathered(module, None)["model"]
-
-    def _gathered(self, module: Any, optimizer: Any) -> dict[str, Any]:
-        """The whole model (and optimizer) as one process holds them, on rank 0: each stage's tensors from its first
-        replica; a checkpoint any strategy resumes from (the other ranks return their own)."""
-        import torch
         from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_map_only
 
-        owner = sharded_state.state_module(module)
-        owned = self._pipeline.pipeline.owned_ids if self._pipeline is not None else set()
-        model = owner.state_dict(keep_vars=True)
-        optimizer_state = optimizer.state_dict() if optimizer is not None else None
+        owned = self._pipeline.pipeline.owned_ids
+        model = sharded_state.state_module(module).state_dict(keep_vars=True)
         part: dict[str, Any] | None = None
-        if self.data_parallel_rank == 0:  # a tensor-parallel tensor gathered whole (its group's ranks: this line)
+        if self.data_parallel_rank == 0:  # full_tensor(): a collective of the tensor-parallel group (on this line)
             whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-            to_host = lambda tree: tree_map_only(torch.Tensor, lambda t: whole(t).detach().cpu(), tree)  # noqa: E731
-            part = {"model": to_host({k: v for k, v in model.items() if id(v) in owned})}
-            if optimizer_state is not None:
-                order = [p for group in optimizer.param_groups for p in group["params"]]
-                mine = {i for i, p in enumerate(order) if id(p) in owned}
-                part["optimizer"] = to_host({i: s for i, s in optimizer_state["state"].items() if i in mine})
+            part = {k: whole(v).detach().cpu() for k, v in model.items() if id(v) in owned}
             if self.rank % self.tensor_parallel:  # the group's first rank sends it
                 part = None
         parts = [p for p in self.all_gather_object(part) if p is not None]
-        state: dict[str, Any] = {"model": {k: v.detach() for k, v in model.items()}}
-        if optimizer_state is not None:
-            state["optimizer"] = optimizer_state
-        if not self.is_global_zero:
-            return state
-        for each in parts:
-            state["model"].update(each["model"])
-            if optimizer_state is not None:
-                optimizer_state["state"] = {**optimizer_state["state"], **each["optimizer"]}
+        state = {k: v.detach() for k, v in model.items()}
+        if self.is_global_zero:
+            for each in parts:
+                state.update(each)
         return state
+
+
+def _named_owned(optimizer: Any, module: Any, owned: set[int]) -> dict[str, Any]:
+    """The optimizer's state by parameter name (DCP's form), of this rank's stage's parameters only."""
+    names = {id(p): name for name, p in sharded_state.state_module(module).named_parameters()}
+    named = sharded_state.by_name(optimizer.state_dict(), optimizer, module)
+    mine = {names[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in owned}
+    return {**named, "state": {name: s for name, s in named["state"].items() if name in mine}}
+
+
+def _keep_owned(optimizer: Any, owned: set[int]) -> None:
+    for parameter in [p for p in optimizer.state if id(p) not in owned]:
+        del optimizer.state[parameter]
 
 
 def _load_split(module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]) -> None:
@@ -176,8 +187,6 @@ def _load_split(module: Any, optimizer: Any, state: dict[str, Any], storage_opti
     state of a split parameter is cut alike."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from unifit.strategies.torch_training import each_optimizer
 
     if sharded_state.SHARDS in state:
         whole = sharded_state.read_whole(state[sharded_state.SHARDS], storage_options)
