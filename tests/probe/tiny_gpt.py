@@ -267,3 +267,12 @@ class TransformersLlama(TokensLightning):
     def validation_step(self, batch, batch_idx):
         (seqs,) = batch
         self.log("val_loss", self.model(input_ids=seqs, labels=seqs).loss)
+
+
+class SavedBeforeTheFirstBatch(unifit.Callback):
+    """A checkpoint named `start` before any batch (as a callback or a preemption during the first batch may take):
+    under pipeline stages it is written before the first batch has built them."""
+
+    def on_train_epoch_start(self, ctx):
+        if ctx.progress.optimizer_step == 0 and ctx.progress.epoch == 0:
+            ctx.save_checkpoint("start")

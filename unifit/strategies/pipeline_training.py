@@ -118,8 +118,9 @@ class PipelineTraining:
         owned = self._pipeline.pipeline.owned_ids
         model = owner.state_dict(keep_vars=True)
         if not owned:
-            named = each_optimizer(optimizer, lambda o: sharded_state.by_name(o.state_dict(), o, module))
-            return {"model": {k: v.detach() for k, v in model.items()}, "optimizer": named}
+            split = self._split_anywhere(model)  # with tensor parallelism: this stage's layers split already
+            named = each_optimizer(optimizer, lambda o: _without_whole_copies(o, module, split))
+            return {"model": {k: v.detach() for k, v in model.items() if _kept(k, v, split)}, "optimizer": named}
         if self._unowned is None:  # once: the names no stage holds
             mine = [k for k, v in model.items() if id(v) in owned]
             held = set().union(*self.all_gather_object(mine))
@@ -128,6 +129,16 @@ class PipelineTraining:
             k: v.detach() for k, v in model.items() if id(v) in owned or (self.is_global_zero and k in self._unowned)
         }
         return {"model": keep, "optimizer": each_optimizer(optimizer, lambda o: _named_owned(o, module, owned))}
+
+    def _split_anywhere(self, model: dict[str, Any]) -> set[str]:
+        """The names some rank holds split (a DTensor) while the stages are not built yet: a stage's layers are split
+        at wrap time, the other stages' are whole there (ranks of another stage hold them whole too)."""
+        from torch.distributed.tensor import DTensor
+
+        if self.tensor_parallel == 1:
+            return set()
+        mine = [k for k, v in model.items() if isinstance(v, DTensor)]
+        return set().union(*self.all_gather_object(mine))
 
     def load_training_state(
         self, module: Any, optimizer: Any, state: dict[str, Any], storage_options: dict[str, Any]
@@ -174,6 +185,26 @@ def _named_owned(optimizer: Any, module: Any, owned: set[int]) -> dict[str, Any]
     named = sharded_state.by_name(optimizer.state_dict(), optimizer, module)
     mine = {names[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in owned}
     return {**named, "state": {name: s for name, s in named["state"].items() if name in mine}}
+
+
+def _kept(name: str, value: Any, split: set[str]) -> bool:
+    """Whether a rank writes `value` under `name` before the stages are built: a name some rank holds split is
+    written by those ranks (their shards; a whole copy beside them is one DCP refuses)."""
+    from torch.distributed.tensor import DTensor
+
+    return name not in split or isinstance(value, DTensor)
+
+
+def _without_whole_copies(optimizer: Any, module: Any, split: set[str]) -> dict[str, Any]:
+    """The optimizer's state by name (DCP's form), less the whole copies of what other ranks hold split."""
+    named = sharded_state.by_name(optimizer.state_dict(), optimizer, module)
+    if not split:
+        return named
+    from torch.distributed.tensor import DTensor
+
+    state = named["state"]
+    kept = {n: v for n, v in state.items() if n not in split or any(isinstance(t, DTensor) for t in v.values())}
+    return {**named, "state": kept}
 
 
 def _keep_owned(optimizer: Any, owned: set[int]) -> None:
