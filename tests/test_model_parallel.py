@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, assert_ok, metrics_lines, run_unifit
-from tests.probe.tiny_gpt import PLAN, TinyGPT
+from tests.probe.tiny_gpt import PLAN, SEQUENCE_PLAN, TinyGPT
 from unifit.strategies.sharded_state import read_whole
 
 YAML = REPO / "tests" / "probe" / "tiny_gpt.yaml"
@@ -72,8 +72,13 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     assert sorted(p.name for p in (Path(ckpt) / "shards").iterdir()) == [".metadata"] + [
         f"__{r}_0.distcp" for r in range(4)
     ]
+    # resumed with sequence parallelism added: the residual stream, the norms and their gradients on half the tokens
     resumed = tmp_path / "resumed"
-    _run(resumed, "model-parallel", 4, options=LAYOUT, ckpt=ckpt)
+    shapes = ("--trainer.callbacks", "[{class_path: tests.probe.tiny_gpt.NormInputShapes}]")
+    out = _run(resumed, "model-parallel", 4, *shapes, options={**LAYOUT, "plan": SEQUENCE_PLAN}, ckpt=ckpt)
+    assert "(8 colwise, 1 colwise_gather, 1 rowwise, 4 rowwise_sequence, 7 sequence)" in out.stderr, out.stderr
+    for rank in range(4):  # a micro-batch of 8 sequences of 16 positions: 8 of them on each tensor-parallel rank
+        assert json.loads((resumed / f"norm_input_rank{rank}.json").read_text()) == [[8, 8, 32]]
     on_fsdp = tmp_path / "on_fsdp"
     _run(on_fsdp, "fsdp", 2, ckpt=ckpt)
     # predict on 2 ranks of one replica (both predict every sample): each sample once, in order, as the whole model
@@ -345,9 +350,13 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
             },
             ["self.net cannot run with only this stage's layers split", "must lie in one stage"],
         ),
+        (  # sequence parallelism whose blocks are not planned: the residual add meets the attention's shards
+            {"tensor_parallel": 2, "plan": {k: v for k, v in SEQUENCE_PLAN.items() if k != "net.blocks.*"}},
+            ["aten.add.Tensor in net.blocks.0's forward met activations cut along the sequence", "residual add"],
+        ),
     ],
 )
-def test_bad_pipeline_input_is_one_line_on_every_rank(tmp_path, options, needles):
+def test_bad_stage_or_split_input_is_one_line_on_every_rank(tmp_path, options, needles):
     options = dict(options)
     extra, procs = options.pop("cli", []), str(options.pop("nproc", 2))
     result = run_unifit("launch", "--nproc-per-node", procs, *_layout(tmp_path, options), *extra, timeout=150)
@@ -386,6 +395,10 @@ def _refused(result, *needles: str) -> None:
         ({"tensor_parallel": 2, "share_gpus": True}, ["share_gpus with tensor_parallel 2", "one GPU per rank"]),
         ({"pipeline_parallel": 2, "share_gpus": True}, ["share_gpus with pipeline_parallel 2", "one GPU per rank"]),
         ({"plan": "auto"}, ["plan: auto, but nothing in TinyGPT carries a tensor-parallel plan", "_tp_plan"]),
+        (
+            {"pipeline_parallel": 2, "tensor_parallel": 2, "plan": {"net.head": "rowwise_sequence"}},
+            ["pipeline_parallel 2 with a sequence-parallel plan", "use rowwise instead of rowwise_sequence"],
+        ),
     ],
 )
 def test_bad_layouts_and_plans_are_one_line_before_any_step(cli, tmp_path, options, needles):

@@ -25,6 +25,16 @@ PLAN = {
     "net.blocks.*.mlp.down": "rowwise",
     "net.head": "colwise_gather",
 }
+# PLAN with sequence parallelism: the residual stream cut along the sequence from each block's input to the head
+SEQUENCE_PLAN = {
+    **PLAN,
+    "net.blocks.*": "sequence",
+    "net.blocks.*.norm1": "sequence",
+    "net.blocks.*.norm2": "sequence",
+    "net.blocks.*.attn.o": "rowwise_sequence",
+    "net.blocks.*.mlp.down": "rowwise_sequence",
+    "net.norm": "sequence",
+}
 
 
 class Attention(nn.Module):
@@ -276,3 +286,21 @@ class SavedBeforeTheFirstBatch(unifit.Callback):
     def on_train_epoch_start(self, ctx):
         if ctx.progress.optimizer_step == 0 and ctx.progress.epoch == 0:
             ctx.save_checkpoint("start")
+
+
+class NormInputShapes(unifit.Callback):
+    """Writes the shape of the tokens the first block's first norm computes on, on this rank (DTensors: their local
+    part), to `<root_dir>/norm_input_rank<r>.json`: under sequence parallelism, 1/T of the sequence."""
+
+    def on_fit_start(self, ctx):
+        self.shapes = []
+        norm = ctx.module.net.blocks[0].norm1
+        local = lambda x: x.to_local() if hasattr(x, "to_local") else x  # noqa: E731
+        self.hook = norm.register_forward_pre_hook(lambda _, args: self.shapes.append(list(local(args[0]).shape)))
+
+    def on_fit_end(self, ctx):
+        import json
+        from pathlib import Path
+
+        self.hook.remove()
+        Path(ctx.config.root_dir, f"norm_input_rank{ctx.rank}.json").write_text(json.dumps(self.shapes[:1]))

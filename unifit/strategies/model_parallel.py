@@ -7,7 +7,8 @@ sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole
 - the data, the learning-rate scaling and the logged values go by replicas (`data_parallel_size`), not ranks:
   the ranks of one tensor-parallel group take the same batches and their logged values count once;
 - the split is the module's own (`configure_model()` with `self.device_mesh`, as written for Lightning's
-  ModelParallelStrategy) or unifit's from a plan in the YAML (module names -> colwise / rowwise / colwise_gather);
+  ModelParallelStrategy) or unifit's from a plan in the YAML (module names -> colwise / rowwise / colwise_gather,
+  and sequence parallelism: sequence_parallel.py);
   unifit shards with FSDP2 what the module's configure_model did not;
 - clipping takes the norm over every shard of every mesh; checkpoints are DCP's (fsdp's), so they resume on
   another layout (this one at another size, fsdp, or one process).
@@ -31,11 +32,13 @@ from pydantic import Field, PositiveInt, model_validator
 from unifit.errors import ConfigError
 from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
 from unifit.strategies.pipeline_training import PipelineTraining
+from unifit.strategies.sequence_parallel import SEQUENCE_DIM, gathers_sequence, on_sequence_shards, refuses_mixed
 from unifit.strategies.torch_device import torch_device
 
 log = logging.getLogger("unifit")
 
-Style = Literal["colwise", "rowwise", "colwise_gather"]
+Style = Literal["colwise", "rowwise", "colwise_gather", "sequence", "rowwise_sequence"]
+SEQUENCE_STYLES = ("sequence", "rowwise_sequence")  # sequence parallelism (sequence_parallel.py)
 DIMS = ("data_parallel", "tensor_parallel")
 PIPELINE_DIMS = ("pipeline_parallel", *DIMS)  # with pipeline stages: the outermost dimension
 
@@ -87,7 +90,11 @@ class ModelParallelOptions(FSDPOptions):
         "named_modules(); * matches one name part, e.g. model.blocks.*.attn.q) -> colwise (output features "
         "split: feed a rowwise), rowwise (input features split, output summed: after a colwise; an Embedding "
         "splits its vocabulary) or colwise_gather (output features split, then gathered: an output head). "
-        "Only Linear and Embedding layers split; reshape attention heads with -1, not a fixed head count",
+        "Only Linear and Embedding layers split; reshape attention heads with -1, not a fixed head count. "
+        "Sequence parallelism: rowwise_sequence (a rowwise whose output goes out cut along the sequence, "
+        "dimension 1) and sequence (a module that works per token, run on sequence shards: a norm, dropout, or a "
+        "whole block so its residual adds do); a colwise layer gathers such an input whole (see "
+        "docs/strategies/model-parallel.md)",
     )
 
     @model_validator(mode="after")
@@ -113,6 +120,12 @@ class ModelParallelOptions(FSDPOptions):
             given += ["stages"] if self.stages != "auto" else []
             if given:
                 raise ValueError(f"{', '.join(given)} split a pipeline: set pipeline_parallel above 1, or drop them")
+        elif isinstance(self.plan, dict) and set(self.plan.values()) & set(SEQUENCE_STYLES):
+            raise ValueError(
+                f"pipeline_parallel {self.pipeline_parallel} with a sequence-parallel plan (sequence / "
+                "rowwise_sequence): stages hand whole activations on, sequence parallelism inside stages is not "
+                "built; use rowwise instead of rowwise_sequence and drop the sequence entries, or pipeline_parallel"
+            )
         elif self.tensor_parallel != 1 and self.stages == "trace":
             raise ValueError(
                 f"pipeline_parallel {self.pipeline_parallel} with tensor_parallel {self.tensor_parallel} and stages: "
@@ -277,9 +290,20 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
         _from_rank_zero(model)
         tp_mesh = self.device_mesh["tensor_parallel"]
         tied = [users for users in _tied(model).values() if any(name in plan for name, _ in users)]
+        sequence = bool(set(plan.values()) & set(SEQUENCE_STYLES))
         for name, style in plan.items():
             layer = model.get_submodule(name)
+            if style == "sequence":
+                on_sequence_shards(layer, tp_mesh)
+                continue
             parallelize_module(layer, tp_mesh, _style(style, layer))
+            if sequence and style.startswith("colwise"):
+                gathers_sequence(layer)
+        if sequence:  # torch's refusal of a plain tensor beside sequence shards, in one line naming the module
+            entries = [name for name, style in plan.items() if style in SEQUENCE_STYLES]
+            holders = {".".join(n.split(".")[:i]) for n in entries for i in range(1, n.count(".") + 2)}
+            for name in sorted(holders, key=len, reverse=True):
+                refuses_mixed(model.get_submodule(name), name)
         for users in tied:  # each layer got its own split copy: hold the first one's again (_check_tie checked)
             (first, attribute), *others = users
             weight = getattr(model.get_submodule(first), attribute)
@@ -427,7 +451,7 @@ def _resolved_plan(model: Any, plan: dict[str, Style] | Literal["auto"] | None) 
                 f"its Linear/Embedding layers are named like: {', '.join(near) or 'none'}"
             )
         for name in names:
-            if not isinstance(modules[name], (torch.nn.Linear, torch.nn.Embedding)):
+            if style != "sequence" and not isinstance(modules[name], (torch.nn.Linear, torch.nn.Embedding)):
                 raise ConfigError(
                     f"trainer.strategy_options.plan: {pattern!r} matches {name}, a {type(modules[name]).__name__}; "
                     "only Linear and Embedding layers split: name those inside it"
@@ -452,7 +476,9 @@ def _check_tie(users: list[tuple[str, str]], plan: dict[str, Style], modules: di
     """A tied weight splits only where every layer holding it is planned and splits it along the same dimension
     (an Embedding's vocabulary split and a head's output split are the same rows): then it stays tied."""
     names = sorted({name for name, _ in users})
-    dims = {_split_dim(plan[name], modules[name]) if name in plan else None for name in names}
+    dims = {
+        _split_dim(plan[name], modules[name]) if plan.get(name, "sequence") != "sequence" else None for name in names
+    }
     if None in dims or len(dims) > 1:
         styles = ", ".join(f"{name} {plan.get(name, 'not split')}" for name in names)
         raise ConfigError(
@@ -466,9 +492,10 @@ def _split_dim(style: Style, layer: Any) -> int:
     """The dimension of the layer's weight that `style` splits (a Linear's weight is out x in)."""
     import torch
 
+    rowwise = style.startswith("rowwise")
     if isinstance(layer, torch.nn.Embedding):
-        return 0 if style == "rowwise" else 1
-    return 1 if style == "rowwise" else 0
+        return 0 if rowwise else 1
+    return 1 if rowwise else 0
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -479,16 +506,18 @@ def _matches(name: str, pattern: str) -> bool:
 
 def _style(style: Style, layer: Any) -> Any:
     import torch
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     if style == "colwise":
         return ColwiseParallel()
     if style == "colwise_gather":
         return ColwiseParallel(output_layouts=Replicate())
+    # rowwise_sequence: the sum reduce-scattered along the sequence, kept a DTensor for the sequence-shard modules
+    out = {"output_layouts": Shard(SEQUENCE_DIM), "use_local_output": False} if style == "rowwise_sequence" else {}
     if isinstance(layer, torch.nn.Embedding):  # token ids come whole: each rank looks up its part of the vocabulary
-        return RowwiseParallel(input_layouts=Replicate())
-    return RowwiseParallel()
+        return RowwiseParallel(input_layouts=Replicate(), **out)
+    return RowwiseParallel(**out)
 
 
 def _tensor_parallel_meshes(model: Any) -> list[Any]:
