@@ -15,8 +15,7 @@ sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole
 With `pipeline_parallel` P the mesh gets a third, outermost dimension: the network is split by layers into P
 stages over consecutive blocks of ranks, micro-batches run through torch.distributed.pipelining's schedules
 (pipeline.py; the strategy's training hooks under stages: pipeline_training.py), and the data-parallel ranks of a
-stage hold replicas of it: stages built from the blocks shard each block over them (FSDP2), traced stages' replicas
-hold it whole (gradients averaged, as ddp). With both, a stage's layers are split over its
+stage hold replicas of it (gradients averaged, as ddp). With both, a stage's layers are split over its
 tensor-parallel ranks by the plan (the stages built from the network's blocks: pipeline_blocks.py), each rank
 handing its activations to the rank of the same tensor-parallel place in the next stage (torchtitan's 3-D layout).
 """
@@ -385,8 +384,7 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
         if self.tensor_parallel > 1:  # this stage's layers (and those around the blocks, every stage's) split
             self._split(model, pipeline.this_stages(plan))
         if self.data_parallel_size > 1 and pipeline.builder == "blocks":
-            pipeline.sharded_blocks = pipeline.this_blocks()
-            self._shard_blocks(pipeline.sharded_blocks)
+            self._shard_blocks(pipeline.this_blocks())
         if self.is_global_zero:
             log.info(
                 "model-parallel: %s split into %d stages at %s (%s schedule)",

@@ -213,30 +213,12 @@ class Pipeline:
         self._structure: _Structure | None = None  # the current trace's output
         self.inferring = False  # set while a schedule infers its stage's shapes (see _flag_inference)
         self._trained = False  # a training batch came (the first is checked against the micro-batches)
-        # this stage's blocks sharded over its replicas (FSDP2), set by the strategy: their gradients are
-        # reduce-scattered once per step, in the last micro-batch's backward (_defer_reduction)
-        self.sharded_blocks: list[Any] = []
-        self._backwards, self._last_backward = 0, 0
 
     # ---- one batch ------------------------------------------------------------------------
     def run(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], scale: torch.Tensor | None) -> Any:
         """The step over the batch's micro-batches through the pipeline: training (backward included, gradients
         scaled by `scale` / micro-batches) when `scale` is given, else forward only. Returns the batch's mean loss
         on the last stage (training), None elsewhere."""
-        result = self._scheduled(step, batch, batch_idx, more, scale)
-        self._resharded()
-        return result
-
-    def _resharded(self) -> None:
-        """The sharded blocks' weights back to their shards after a batch (with reshard_after_forward: false they
-        stay gathered from one micro-batch to the next, not past the batch): what the optimizer steps and a
-        checkpoint holds."""
-        for block in self.sharded_blocks:
-            block.reshard()
-
-    def _scheduled(
-        self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], scale: torch.Tensor | None
-    ) -> Any:
         rows = _rows(batch, step)
         if step == "training_step" and not self._trained and rows % self.microbatches:
             raise ConfigError(
@@ -255,8 +237,6 @@ class Pipeline:
         self._micro, self._call, self._scale, self._losses = micro, (step, batch_idx, more), scale, []
         self._structure = traced.output
         run = schedule.step if training else schedule.eval
-        if training:
-            self._defer_reduction(count)
         blocks = isinstance(traced.stage_module, BlockStage)  # every stage takes the network's inputs
         inputs: list[torch.Tensor] = []
         if self.last:
@@ -370,7 +350,6 @@ class Pipeline:
                 _Entry(network, seen)(*call_args, **call_kwargs)
             if not self.owned_ids:  # the first build: every weight is rank 0's still
                 check_chained(stages, network, leaves, self.network)
-            self._resharded()  # the ids below are the shards'
         except Exception as exc:
             if isinstance(exc, ConfigError) or not any(local(p) is not p for p in network.parameters()):
                 raise
@@ -390,7 +369,6 @@ class Pipeline:
             self._find_shared(held, network)
         self.release()
         stage = stages[self.stage_index]
-        stage.register_forward_hook(self._count_backward)
         if not self.first:
             stage.register_forward_pre_hook(self._zeroed_while_inferring)
         if self.speaks and len(self._traced) == 0:
@@ -559,31 +537,6 @@ class Pipeline:
             ".".join(p for p in (self.network, name, str(i)) if p) for i in range(bounds[-1]) if not start <= i < end
         ]
         return {k: v for k, v in plan.items() if not any(k == o or k.startswith(o + ".") for o in others)}
-
-    def _defer_reduction(self, microbatches: int) -> None:
-        """The sharded blocks accumulate their gradients unreduced until the last micro-batch's backward begins
-        (FSDP2's no-sync accumulation): one reduce-scatter per step instead of one per micro-batch, and their
-        weights stay gathered from the first backward to the last."""
-        self._backwards, self._last_backward = 0, microbatches
-        for block in self.sharded_blocks:  # and stay gathered after the backwards before it (torch's pipelining's)
-            block.set_requires_gradient_sync(microbatches == 1)
-            block.set_reshard_after_backward(microbatches == 1)
-
-    def _count_backward(self, module: Any, args: Any, output: Any) -> None:
-        """A micro-batch's forward: its backward, when it begins (the schedules run them in micro-batch order),
-        counts; the last one turns the sharded blocks' reduction on before they compute their gradients."""
-        if not self.sharded_blocks or not torch.is_grad_enabled():
-            return
-        first = next((t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(self._backward_begins)
-
-    def _backward_begins(self, grad: torch.Tensor) -> None:
-        self._backwards += 1
-        if self._backwards == self._last_backward:
-            for block in self.sharded_blocks:
-                block.set_requires_gradient_sync(True)
-                block.set_reshard_after_backward(True)
 
     def this_blocks(self) -> list[torch.nn.Module]:
         """This stage's blocks (stages built from the blocks)."""
