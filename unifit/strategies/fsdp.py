@@ -162,7 +162,7 @@ class FSDPStrategy(DDPStrategy):
         settings: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": opts.reshard_after_forward,
-            "shard_placement_fn": functools.partial(shard_placement, ranks=mesh.size(-1)),
+            "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1)),
         }
         norms: list[Any] = []
         if opts.cpu_offload:
@@ -508,7 +508,7 @@ def _norms_with_statistics(model: Any) -> list[Any]:
     ]
 
 
-def shard_placement(parameter: Any, ranks: int) -> Any:
+def _placement(parameter: Any, ranks: int) -> Any:
     """Shard along dim 0 (FSDP's default), unless it has fewer rows than ranks (a Linear(256, 1)'s
     weight would sit on one rank): then along the largest dimension, so every rank holds ~1/N."""
     from torch.distributed.tensor import Shard

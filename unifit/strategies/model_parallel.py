@@ -319,30 +319,6 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             )
 
     # ---- pipeline parallelism -------------------------------------------------------------
-    def _shard_blocks(self, blocks: list[Any]) -> None:
-        """Stages built from the blocks: each of this stage's blocks sharded over the stage's data-parallel ranks
-        (FSDP2: gathered for its forward and backward, its gradients reduce-scattered, its optimizer state 1/D);
-        the weights outside the blocks, every stage's, stay replicas (averaged as ddp, summed over the stages)."""
-        import functools
-
-        from torch.distributed.fsdp import fully_shard
-
-        from unifit.strategies.fsdp import shard_placement
-
-        mesh = self.device_mesh["data_parallel"]
-        for block in blocks:
-            fully_shard(
-                block,
-                mesh=mesh,
-                reshard_after_forward=self.options.reshard_after_forward,
-                shard_placement_fn=functools.partial(shard_placement, ranks=mesh.size()),
-            )
-        if self.is_global_zero:
-            log.info(
-                "model-parallel: each stage's blocks sharded over its %d data-parallel ranks (FSDP2)",
-                self.data_parallel_size,
-            )
-
     def _pipelined(self, step_module: Any, device: Any) -> Any:
         """The network split into stages (pipeline.py); every rank starts from rank 0's weights, as one process."""
         from unifit.strategies.pipeline import Pipeline, PipelinedStep, network_and_splits
@@ -378,13 +354,11 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             device,
             opts.schedule,
             opts.microbatches or self.pipeline_parallel,
-            speaks=self.data_parallel_rank == 0 and self.rank % self.tensor_parallel == 0,
+            speaks=self.data_parallel_rank == 0,
             builder="blocks" if self.tensor_parallel > 1 else opts.stages,
         )
         if self.tensor_parallel > 1:  # this stage's layers (and those around the blocks, every stage's) split
             self._split(model, pipeline.this_stages(plan))
-        if self.data_parallel_size > 1 and pipeline.builder == "blocks":
-            self._shard_blocks(pipeline.this_blocks())
         if self.is_global_zero:
             log.info(
                 "model-parallel: %s split into %d stages at %s (%s schedule)",

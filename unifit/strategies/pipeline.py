@@ -538,13 +538,6 @@ class Pipeline:
         ]
         return {k: v for k, v in plan.items() if not any(k == o or k.startswith(o + ".") for o in others)}
 
-    def this_blocks(self) -> list[torch.nn.Module]:
-        """This stage's blocks (stages built from the blocks)."""
-        assert self._bounds is not None  # checked at __init__ for stages: blocks
-        name, bounds = self._bounds
-        blocks = self.holder.get_submodule(self.network).get_submodule(name)
-        return list(blocks)[bounds[self.stage_index] : bounds[self.stage_index + 1]]
-
     # ---- the other stages' weights ---------------------------------------------------------
     def release(self) -> None:
         """The other stages' weights take no memory here (this rank never computes with them)."""
