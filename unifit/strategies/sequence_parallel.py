@@ -44,8 +44,9 @@ def on_sequence_shards(module: Any, mesh: Any) -> None:
 
 
 def gathers_sequence(module: Any) -> None:
-    """A colwise layer reading sequence shards (a DTensor input) gathers them whole first (an all-gather; its
-    backward a reduce-scatter); a plain input passes as before. Runs before the layer's own input handling."""
+    """A colwise layer reading sequence shards (a DTensor input) gathers them whole first (an all-gather; in
+    backward the layer's own input handling all-reduces the gradient, then each rank keeps its part of the
+    sequence); a plain input passes as before. Runs before the layer's own input handling."""
     from torch.distributed.tensor import DTensor, Replicate
 
     def whole(_: Any, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
