@@ -621,6 +621,7 @@ def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
     assert ends[0]["averaged"] and ends[0]["weights"] == ends[1]["weights"]  # EMAWeightAveraging on both ranks
     assert ends[0] == ends[1] and ends[0]["step"] == 8 and ends[0]["epoch"] == 2, ends
     assert ends[0]["steps_at_epoch_end"] == [3, 8], ends
+    assert ends[0]["thread_done"] == [True], ends  # written at exit, after the thread Python waits for
 
 
 def _writers_output(out) -> tuple[dict[int, torch.Tensor], list[int]]:

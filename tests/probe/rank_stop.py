@@ -1,13 +1,21 @@
 """One rank's own code asks to stop (a LightningModule sets trainer.should_stop on rank 1 only, as code reacting to
 its own batch does): every rank must stop at the same agreed step, none left waiting for the others. Before that,
 rank 0 alone returns -1 from on_train_batch_start at the first epoch's 4th batch: every rank ends that epoch there.
-Lightning's EMAWeightAveraging runs along: every rank ends with the same averaged model."""
+Lightning's EMAWeightAveraging runs along: every rank ends with the same averaged model.
+
+How a launched rank ends rides along too: the results are written by an atexit handler from a thread Python
+waits for, and an object left on `sys` aborts the process if the interpreter is finalized (where gloo's threads
+can abort a finished run): exit 0 shows unifit ran both and then skipped finalization."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -17,6 +25,18 @@ from lightning.pytorch.callbacks import EMAWeightAveraging  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
 import unifit  # noqa: E402
+
+
+class AbortsIfFinalized:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.kill, self.abort = (
+            os.kill,
+            signal.SIGABRT,
+        )  # os may be gone from the module's globals by the time this object is freed
+
+    def __del__(self) -> None:
+        self.kill(self.pid, self.abort)
 
 
 class StopsOnOneRank(BoringModel):
@@ -57,4 +77,12 @@ if __name__ == "__main__":
         "weights": module.layer.weight.flatten().tolist(),  # the average, copied in at the end (as Lightning)
         "averaged": bool(torch.equal(module.layer.weight, average)) and not torch.equal(module.layer.weight, trained),
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(ends))
+    finished: list[bool] = []
+
+    def finish_late() -> None:
+        time.sleep(0.5)
+        finished.append(True)
+
+    threading.Thread(target=finish_late).start()  # not a daemon: Python's exit waits for it
+    atexit.register(lambda: (out / f"rank{rank}.json").write_text(json.dumps({**ends, "thread_done": finished})))
+    sys.abort_if_finalized = AbortsIfFinalized()  # type: ignore[attr-defined]

@@ -305,7 +305,12 @@ def _log_to_stderr() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    code = _command(list(sys.argv[1:] if argv is None else argv))
+    _end_launched_rank(code)
+    return code
+
+
+def _command(argv: list[str]) -> int:
     _log_to_stderr()
     # checking the experiment imports the user's module, which may import TensorFlow: its start-up INFO and
     # WARNING lines would come before unifit's one-line answer (the Keras engine sets the same; yours wins)
@@ -392,6 +397,11 @@ def _run_script(script: list[str]) -> int:
         if os.environ.get("UNIFIT_DEBUG"):
             raise
         return _exit_with(str(exc), exc.exit_code)
+    except SystemExit as exc:  # the script's own sys.exit(): its code, as python would end with it
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     return 0
 
 
@@ -406,6 +416,26 @@ def _exit_with(message: str, code: int) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _end_launched_rank(code: int) -> None:
+    """A launched rank that got this far ends without interpreter finalization, after the exit functions (the
+    process group's teardown, logging's, the user's own atexit handlers) and the threads Python would wait for:
+    gloo's C++ worker threads can still hold tensors whose release takes the GIL while the interpreter is torn
+    down, and the process aborts there (SIGABRT, 'terminate called without an active exception', about once in a
+    hundred launches; pytorch/pytorch#179291) after training finished, failing a run that succeeded."""
+    if _launched_environment().source == "none":
+        return
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _launched_environment() -> ClusterEnvironment:
