@@ -427,6 +427,7 @@ def _end_launched_rank(code: int) -> None:
     if _launched_environment().source == "none":
         return
     import atexit
+    import ctypes
     import threading
 
     for thread in threading.enumerate():
@@ -435,6 +436,7 @@ def _end_launched_rank(code: int) -> None:
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)  # what C++ libraries printed through C's stdio, which os._exit would drop
     os._exit(code)
 
 
