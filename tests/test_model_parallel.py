@@ -61,10 +61,12 @@ def _checkpoint(root: Path, epoch: int) -> str:
 
 @pytest.mark.timeout(600)
 def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_other_layouts(tmp_path):
+    # 17 validation sequences: one replica takes 2 batches, the other 1; a rank's extra forward must not gather alone
+    uneven = ("--module.init_args.n_val", "17")
     ddp = tmp_path / "ddp"
-    _run(ddp, "ddp", 2)
+    _run(ddp, "ddp", 2, *uneven)
     tp = tmp_path / "tp2xdp2"
-    out = _run(tp, "model-parallel", 4, "--trainer.max_epochs", "2", options=LAYOUT)
+    out = _run(tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, options=LAYOUT)
     assert "4 rank(s) = 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
     assert "14 layer(s) split over 2 ranks" in out.stderr, out.stderr
     assert "global batch 32" in out.stdout + out.stderr  # 2 replicas x 8 x 2 accumulated, as ddp's 2 ranks
@@ -75,12 +77,12 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     # resumed with sequence parallelism added: the residual stream, the norms and their gradients on half the tokens
     resumed = tmp_path / "resumed"
     shapes = ("--trainer.callbacks", "[{class_path: tests.probe.tiny_gpt.NormInputShapes}]")
-    out = _run(resumed, "model-parallel", 4, *shapes, options={**LAYOUT, "plan": SEQUENCE_PLAN}, ckpt=ckpt)
+    out = _run(resumed, "model-parallel", 4, *shapes, *uneven, options={**LAYOUT, "plan": SEQUENCE_PLAN}, ckpt=ckpt)
     assert "(8 colwise, 1 colwise_gather, 1 rowwise, 4 rowwise_sequence, 7 sequence)" in out.stderr, out.stderr
     for rank in range(4):  # a micro-batch of 8 sequences of 16 positions: 8 of them on each tensor-parallel rank
         assert json.loads((resumed / f"norm_input_rank{rank}.json").read_text()) == [[8, 8, 32]]
     on_fsdp = tmp_path / "on_fsdp"
-    _run(on_fsdp, "fsdp", 2, ckpt=ckpt)
+    _run(on_fsdp, "fsdp", 2, *uneven, ckpt=ckpt)
     # predict on 2 ranks of one replica (both predict every sample): each sample once, in order, as the whole model
     out = tmp_path / "split.pkl"
     args = ["launch", "--run", "predict", "--nproc-per-node", "2", "-c", str(YAML), "--trainer.strategy"]
@@ -94,10 +96,11 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     assert [line["epoch"] for line in tp_lines] == [1, 2, 3]
     for mine, theirs in zip(tp_lines, ddp_lines):
         assert mine["samples_seen"] == 64.0  # logged with reduce_fx="sum": each sample once, not per tensor rank
-        assert mine["val_samples"] == 32.0  # a torchmetrics SumMetric: one state per replica gathered
+        assert mine["val_samples"] == 17.0  # a torchmetrics SumMetric: one state per replica gathered
         assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)  # scaled by the 2 replicas' global batch
         for key in ("train/loss", "val_loss"):
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
+    assert metrics_lines(on_fsdp)[-1]["val_loss"] == pytest.approx(ddp_lines[-1]["val_loss"], abs=1e-5)
 
 
 @pytest.mark.timeout(500)

@@ -72,6 +72,7 @@ class FSDPStrategy(DDPStrategy):
     _views: _ViewOutputs | None = None
     _unfreezing: _UnfreezingGroups | None = None
     _sharded: tuple[Any, list[Any]] | None = None  # the step module and its FSDP modules (accumulation)
+    _said_uneven = False  # the first uneven validation was logged
 
     def setup(self) -> None:
         super().setup()
@@ -243,11 +244,31 @@ class FSDPStrategy(DDPStrategy):
     def accumulating(self, wrapped: Any) -> ContextManager[Any]:
         if not self._group_ready():
             return contextlib.nullcontext()
+        return _without_gradient_sync(self._fsdp_modules(wrapped))
+
+    def evaluating_unevenly(self, wrapped: Any) -> ContextManager[Any]:
+        """FSDP gathers a unit's parameters in its forward, a collective: a rank with a validation batch more than
+        the others would gather alone (gloo: 'collective mismatch', an abort; NCCL: a hang). Every rank gathers the
+        whole model once, together, and the forwards run on it without gathering: the model's full size on each
+        rank for the length of this validation."""
+        if not self._group_ready():
+            return contextlib.nullcontext()
+        if self.is_global_zero and not self._said_uneven:
+            self._said_uneven = True
+            log.info(
+                "%s: the ranks' validation shards take different numbers of batches: the parameters are gathered "
+                "whole for each such validation (the model's full size on every rank), so that no rank gathers alone",
+                self.name,
+            )
+        return _gathered_through(self._fsdp_modules(wrapped))
+
+    def _fsdp_modules(self, wrapped: Any) -> list[Any]:
+        """The step's FSDP modules (the root where unifit sharded, or those a module's configure_model sharded)."""
         if self._sharded is None or self._sharded[0] is not wrapped:  # found once, not at every micro-batch
             from torch.distributed.fsdp import FSDPModule
 
             self._sharded = (wrapped, [m for m in wrapped.modules() if isinstance(m, FSDPModule)])
-        return _without_gradient_sync(self._sharded[1])
+        return self._sharded[1]
 
     def clip_gradients(self, parameters: Iterable[Any], max_norm: float) -> None:
         """Clip by the norm of the whole gradient: each rank's shard norms combined over every rank, per mesh
@@ -572,6 +593,28 @@ def _without_gradient_sync(sharded: list[Any]) -> Iterator[None]:
     finally:
         for module in sharded:
             module.set_requires_gradient_sync(True, recurse=False)
+
+
+@contextlib.contextmanager
+def _gathered_through(sharded: list[Any]) -> Iterator[None]:
+    """Every FSDP module's parameters gathered (a collective every rank joins here) and kept so through the forwards
+    inside (FSDP2 does not gather a gathered unit again); then each module's own resharding back, and its shards."""
+    groups = [group for module in sharded for group in module._get_fsdp_state()._fsdp_param_groups]
+    automatic = [(module, module._get_fsdp_state()._auto_reshard_after_forward) for module in sharded]
+    after_forward = [(group, group.post_forward_mesh_info) for group in groups]
+    for module in sharded:
+        module.unshard()
+    for group in groups:
+        group.post_forward_mesh_info = None  # FSDP2's set_reshard_after_forward(False), undone below as it was
+    try:
+        yield
+    finally:
+        for group, info in after_forward:
+            group.post_forward_mesh_info = info
+        for module, auto in automatic:
+            module._get_fsdp_state()._auto_reshard_after_forward = auto
+        for module in sharded:
+            module.reshard()
 
 
 def _gathered_rnn_weights(rnn: Any, args: Any) -> Any:

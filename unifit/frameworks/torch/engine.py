@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import numpy as np
@@ -456,12 +456,26 @@ class TorchEngine(TorchEvaluation, Engine):
             module.on_validation_model_zero_grad()
         module.on_validation_model_eval()
         self._rank_zero_buffers()
-        with self.separate_metrics():
+        uneven = self._uneven_validation()
+        with self.separate_metrics(), self.training.evaluating_unevenly(self.wrapped) if uneven else nullcontext():
             yield
         if module.overrides_model_train():
             module.on_validation_model_train()
         else:
             restore_modes(modes)
+
+    def _uneven_validation(self) -> bool:
+        """Whether the ranks take different numbers of validation batches (the shards are uneven, no sample counted
+        twice), where the strategy's forward is a collective (fsdp). A stream without a length may differ."""
+        if not self.training.routes_all_steps:
+            return False
+        limit = self.config.limit_val_batches
+        try:
+            count = sum(min(len(loader), limit or len(loader)) for loader in self.val_loaders)
+        except TypeError:  # an IterableDataset without __len__
+            return True
+        most, fewest = self.strategy.all_reduce_max(np.array([count, -count], dtype=np.float64))
+        return bool(most != -fewest)
 
     def val_batches(self) -> Iterator[Any]:
         yield from self._batches_of(self.val_loaders, self.config.limit_val_batches)
