@@ -1,10 +1,10 @@
 """Per-rank training-state memory and step time: fsdp and model-parallel (tensor parallelism, TP2 x FSDP and TP4;
-pipeline stages, PP2 x 2 replicas)
+pipeline stages, PP2 x 2 replicas, held whole or sharded by FSDP2)
 against ddp at 1, 2 and 4 ranks, for a ~100 M parameter MLP (6 x Linear(4096, 4096): 100.7 M parameters, 403 MB
 float32) trained with AdamW on CPU.
 
     nice -n 10 env OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_memory.py [--steps 6] [--ranks 1 2 4] \
-        [--layouts ddp fsdp tp2 tp4 pp2]
+        [--layouts ddp fsdp tp2 tp4 pp2 pp2fsdp pp2fsdp-kept]
 
 tp2 / tp4: `model-parallel` with tensor_parallel 2 / 4 and the Megatron pairing of the MLP's Linears (colwise then
 rowwise, PLAN below); the ranks left over are data parallel, sharded by FSDP2 (TP2 at 4 ranks: 2 x 2).
@@ -49,6 +49,10 @@ LAYOUTS = {
     "tp4": ("model-parallel", {"tensor_parallel": 4, "plan": PLAN}, 4),
     # the Sequential split evenly into 2 stages (3 Linears each); the other ranks hold replicas of a stage
     "pp2": ("model-parallel", {"pipeline_parallel": 2}, 2),
+    # the same stages built from the blocks: each stage's Linears sharded over its 2 replicas by FSDP2
+    "pp2fsdp": ("model-parallel", {"pipeline_parallel": 2, "stages": "blocks"}, 2),
+    # ... keeping each stage's gathered weights from forward to backward: fewer gathers, more memory in the step
+    "pp2fsdp-kept": ("model-parallel", {"pipeline_parallel": 2, "stages": "blocks", "reshard_after_forward": False}, 2),
 }
 
 
@@ -193,7 +197,9 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
         f"replica, {args.steps} steps. State = parameters + gradients + AdamW moments held by a rank (local shards "
         "of sharded tensors), counted before each optimizer step; peak RSS = the process's maximum resident set. "
         "tp2 at 4 ranks = 2 tensor-parallel x 2 data-parallel (FSDP2); tp4 = tensor parallel only; pp2 at 4 ranks = "
-        "2 pipeline stages x 2 replicas (2 micro-batches, 1F1B).",
+        "2 pipeline stages x 2 replicas (2 micro-batches, 1F1B); pp2fsdp = the same stages built from the blocks, "
+        "each stage's blocks sharded over its 2 replicas (FSDP2); pp2fsdp-kept = that with reshard_after_forward: "
+        "false.",
         "",
         "| ranks | layout | state (MB) | ddp state (MB) | / ddp | target 1/N + 10 % | met | peak RSS (MB) "
         "| ddp peak RSS (MB) | step (s) | samples/s | ddp samples/s | samples/s / ddp |",

@@ -173,9 +173,15 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     """2 pipeline stages x 2 replicas, 4 micro-batches of a batch: tied weights (the embedding on the first stage,
     the head reading it on the last), a last training and validation batch that 4 micro-batches cannot cut (the
     most equal parts), clipping, accumulation and warmup; against ddp on 2 ranks of the same global batch. Its
-    checkpoint resumes on the 3-D layout (8 ranks: tensor parallelism added inside each stage's replicas), under
-    fsdp, and validates on 2 ranks of one replica."""
-    data = ("--module.init_args.tied", "true", "--module.init_args.n_train", "68", "--module.init_args.n_val", "36")
+    checkpoint resumes on the 3-D layout (8 ranks: tensor parallelism added inside each stage's replicas, and the
+    blocks sharded over them), under fsdp, and validates on 2 ranks of one replica.
+
+    A replica's epoch is 3 batches of 8 and one of 2, the second of an accumulation window: a new shape builds a
+    new schedule in mid-window (torch's shape inference once cleared sharded blocks' gradients there). Batches are
+    cut to lengths of their own (ragged): the replicas of a stage build for different shapes at the same step, and
+    sharded blocks build together. Validation is 17 and 16 sequences: one replica has a batch more."""
+    data = ("--module.init_args.tied", "true", "--module.init_args.n_train", "52", "--module.init_args.n_val", "33")
+    data += ("--module.init_args.ragged", "true")
     ddp = tmp_path / "ddp"
     _run(ddp, "ddp", 2, *data)
     staged = tmp_path / "pp2xdp2"
@@ -187,11 +193,13 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     ckpt = _checkpoint(staged, 2)
     assert (Path(ckpt) / "shards" / ".metadata").is_file()  # DCP's: every rank wrote its part
     # resumed on the 3-D layout: 2 stages x the same 2 replicas x 2 tensor-parallel ranks on 8 ranks, the other
-    # schedule (a stage's replicas average their gradients shard by shard; the LR scaled by the 2 replicas still)
+    # schedule; the stages built from the blocks, each block sharded over the stage's replicas by FSDP2 (the LR
+    # scaled by the 2 replicas still)
     resumed = tmp_path / "resumed"
     cube = {**layout, **LAYOUT, "schedule": "gpipe"}
     out = _run(resumed, "model-parallel", 8, *data, options=cube, ckpt=ckpt)
     assert "8 rank(s) = 2 pipeline stages x 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
+    assert "each stage's blocks sharded over its 2 data-parallel ranks (FSDP2)" in out.stderr, out.stderr
     on_fsdp = tmp_path / "on_fsdp"
     _run(on_fsdp, "fsdp", 2, *data, ckpt=ckpt)
     reference = _weights(ddp)
@@ -201,19 +209,20 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     staged_lines = metrics_lines(staged) + metrics_lines(resumed)
     assert [line["epoch"] for line in staged_lines] == [1, 2, 3]
     for mine, theirs in zip(staged_lines, metrics_lines(ddp), strict=True):
-        assert mine["samples_seen"] == 68.0  # reduce_fx="sum" per micro-batch: each sample once, on the last stage
-        assert mine["val_samples"] == 36.0  # a torchmetrics SumMetric: the last stage's states only
+        assert mine["samples_seen"] == 52.0  # reduce_fx="sum" per micro-batch: each sample once, on the last stage
+        assert mine["val_samples"] == 33.0  # a torchmetrics SumMetric: the last stage's states only
         assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)  # scaled by the 2 replicas
         for key in ("train/loss", "val_loss"):
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
-    # validate its checkpoint on 2 ranks of one replica: the whole model on each, each sample counted once
+    # validate the 3-D run's checkpoint (blocks sharded and split) on 2 ranks of one replica, in traced stages:
+    # the whole model on each, each sample counted once
     checked = tmp_path / "validated"
-    args = ["launch", "--run", "validate", "--nproc-per-node", "2", "-c", str(YAML), *data]
-    args += ["--trainer.root_dir", str(checked), "--trainer.strategy", "model-parallel", "--ckpt-path", ckpt]
+    args = ["launch", "--run", "validate", "--nproc-per-node", "2", "-c", str(YAML), *data, "--trainer.root_dir"]
+    args += [str(checked), "--trainer.strategy", "model-parallel", "--ckpt-path", _checkpoint(resumed, 3)]
     assert_ok(run_unifit(*args, "--trainer.strategy_options", json.dumps({"pipeline_parallel": 2}), timeout=200))
     validated = json.loads((checked / "validate.json").read_text())["metrics"]
-    assert validated["val_samples"] == 36.0
-    assert validated["val_loss"] == pytest.approx(metrics_lines(staged)[-1]["val_loss"], abs=1e-6)
+    assert validated["val_samples"] == 33.0
+    assert validated["val_loss"] == pytest.approx(metrics_lines(resumed)[-1]["val_loss"], abs=1e-6)
 
 
 @pytest.mark.timeout(400)

@@ -119,14 +119,33 @@ def lm_loss(net: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
 
 
+def cut_to_its_own_length(rows: list[tuple[torch.Tensor]]) -> tuple[torch.Tensor]:
+    """A collate cutting each batch to a length of its own, as padding to a batch's longest sequence does: 15 to 17
+    tokens by the batch's content, so replicas meet different shapes at the same step."""
+    seqs = torch.stack([row[0] for row in rows])
+    return (seqs[:, : 15 + int(seqs[0, 0]) % 3],)
+
+
 class TinyGPT(unifit.TrainModule):
     def __init__(
-        self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3, tied=False, skip=False
+        self,
+        vocab=64,
+        dim=32,
+        heads=4,
+        layers=2,
+        seq=16,
+        n_train=64,
+        n_val=32,
+        lr=3e-3,
+        tied=False,
+        skip=False,
+        ragged=False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = GPT(vocab, dim, heads, layers, seq, tied, skip)
         self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
+        self.ragged = ragged  # training batches of their own lengths (cut_to_its_own_length)
         self.val_samples = torchmetrics.SumMetric()
 
     def training_step(self, batch, batch_idx):
@@ -150,7 +169,10 @@ class TinyGPT(unifit.TrainModule):
         return tokens(self.n_val, self.seq, self.vocab, seed=3)
 
     def train_dataset(self):
-        return tokens(self.n_train, self.seq, self.vocab, seed=1)
+        data = tokens(self.n_train, self.seq, self.vocab, seed=1)
+        if self.ragged:  # the user's DataLoader: unifit keeps its collate and shards its sampling
+            return torch.utils.data.DataLoader(data, batch_size=8, collate_fn=cut_to_its_own_length)
+        return data
 
     def val_dataset(self):
         return tokens(self.n_val, self.seq, self.vocab, seed=2)

@@ -163,7 +163,7 @@ class FSDPStrategy(DDPStrategy):
         settings: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": opts.reshard_after_forward,
-            "shard_placement_fn": functools.partial(_placement, ranks=mesh.size(-1)),
+            "shard_placement_fn": functools.partial(shard_placement, ranks=mesh.size(-1)),
         }
         norms: list[Any] = []
         if opts.cpu_offload:
@@ -246,12 +246,13 @@ class FSDPStrategy(DDPStrategy):
             return contextlib.nullcontext()
         return _without_gradient_sync(self._fsdp_modules(wrapped))
 
-    def evaluating_unevenly(self, wrapped: Any) -> ContextManager[Any]:
+    def evaluating(self, wrapped: Any, uneven: bool) -> ContextManager[Any]:
         """FSDP gathers a unit's parameters in its forward, a collective: a rank with a validation batch more than
         the others would gather alone (gloo: 'collective mismatch', an abort; NCCL: a hang). Every rank gathers the
         whole model once, together, and the forwards run on it without gathering: the model's full size on each
         rank for the length of this validation."""
-        if not self._group_ready():
+        sharded = self._fsdp_modules(wrapped) if uneven and self._group_ready() else []
+        if not sharded:
             return contextlib.nullcontext()
         if self.is_global_zero and not self._said_uneven:
             self._said_uneven = True
@@ -260,7 +261,7 @@ class FSDPStrategy(DDPStrategy):
                 "whole for each such validation (the model's full size on every rank), so that no rank gathers alone",
                 self.name,
             )
-        return _gathered_through(self._fsdp_modules(wrapped))
+        return gathered_through(sharded)
 
     def _fsdp_modules(self, wrapped: Any) -> list[Any]:
         """The step's FSDP modules (the root where unifit sharded, or those a module's configure_model sharded)."""
@@ -529,7 +530,7 @@ def _norms_with_statistics(model: Any) -> list[Any]:
     ]
 
 
-def _placement(parameter: Any, ranks: int) -> Any:
+def shard_placement(parameter: Any, ranks: int) -> Any:
     """Shard along dim 0 (FSDP's default), unless it has fewer rows than ranks (a Linear(256, 1)'s
     weight would sit on one rank): then along the largest dimension, so every rank holds ~1/N."""
     from torch.distributed.tensor import Shard
@@ -596,7 +597,7 @@ def _without_gradient_sync(sharded: list[Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _gathered_through(sharded: list[Any]) -> Iterator[None]:
+def gathered_through(sharded: list[Any]) -> Iterator[None]:
     """Every FSDP module's parameters gathered (a collective every rank joins here) and kept so through the forwards
     inside (FSDP2 does not gather a gathered unit again); then each module's own resharding back, and its shards."""
     groups = [group for module in sharded for group in module._get_fsdp_state()._fsdp_param_groups]

@@ -15,7 +15,8 @@ sharded over the data-parallel dimension with FSDP2, as fsdp does over the whole
 With `pipeline_parallel` P the mesh gets a third, outermost dimension: the network is split by layers into P
 stages over consecutive blocks of ranks, micro-batches run through torch.distributed.pipelining's schedules
 (pipeline.py; the strategy's training hooks under stages: pipeline_training.py), and the data-parallel ranks of a
-stage hold replicas of it (gradients averaged, as ddp). With both, a stage's layers are split over its
+stage hold replicas of it: stages built from the blocks shard each block over them (FSDP2), traced stages' replicas
+hold it whole (gradients averaged, as ddp). With both, a stage's layers are split over its
 tensor-parallel ranks by the plan (the stages built from the network's blocks: pipeline_blocks.py), each rank
 handing its activations to the rank of the same tensor-parallel place in the next stage (torchtitan's 3-D layout).
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import sys
-from typing import Any, Literal
+from typing import Any, ContextManager, Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
@@ -318,7 +319,37 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
                 ", ".join(f"{n} {s}" for s, n in counts.items()),
             )
 
+    def evaluating(self, wrapped: Any, uneven: bool) -> ContextManager[Any]:
+        """Stages with sharded blocks keep them gathered through every validation: a replica's batches (their
+        number, the last one's shape, so a stage built for it) are its own, and nothing it runs must gather."""
+        sharding = self._pipeline.pipeline.sharding if self._pipeline is not None else None
+        return sharding.held_gathered() if sharding is not None else super().evaluating(wrapped, uneven)
+
     # ---- pipeline parallelism -------------------------------------------------------------
+    def _shard_blocks(self, blocks: list[Any]) -> None:
+        """Stages built from the blocks: each of this stage's blocks sharded over the stage's data-parallel ranks
+        (FSDP2: gathered for its forward and backward, its gradients reduce-scattered, its optimizer state 1/D);
+        the weights outside the blocks, every stage's, stay replicas (averaged as ddp, summed over the stages)."""
+        import functools
+
+        from torch.distributed.fsdp import fully_shard
+
+        from unifit.strategies.fsdp import shard_placement
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in blocks:
+            fully_shard(
+                block,
+                mesh=mesh,
+                reshard_after_forward=self.options.reshard_after_forward,
+                shard_placement_fn=functools.partial(shard_placement, ranks=mesh.size()),
+            )
+        if self.is_global_zero:
+            log.info(
+                "model-parallel: each stage's blocks sharded over its %d data-parallel ranks (FSDP2)",
+                self.data_parallel_size,
+            )
+
     def _pipelined(self, step_module: Any, device: Any) -> Any:
         """The network split into stages (pipeline.py); every rank starts from rank 0's weights, as one process."""
         from unifit.strategies.pipeline import Pipeline, PipelinedStep, network_and_splits
@@ -354,11 +385,17 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             device,
             opts.schedule,
             opts.microbatches or self.pipeline_parallel,
-            speaks=self.data_parallel_rank == 0,
+            speaks=self.data_parallel_rank == 0 and self.rank % self.tensor_parallel == 0,
             builder="blocks" if self.tensor_parallel > 1 else opts.stages,
         )
         if self.tensor_parallel > 1:  # this stage's layers (and those around the blocks, every stage's) split
             self._split(model, pipeline.this_stages(plan))
+        if self.data_parallel_size > 1 and pipeline.builder == "blocks":
+            from unifit.strategies.pipeline_sharding import ShardedBlocks
+
+            blocks = pipeline.this_blocks()
+            self._shard_blocks(blocks)
+            pipeline.sharding = ShardedBlocks(blocks, self.device_mesh["data_parallel"].get_group(), device)
         if self.is_global_zero:
             log.info(
                 "model-parallel: %s split into %d stages at %s (%s schedule)",

@@ -19,13 +19,16 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from unifit.errors import ConfigError
 from unifit.strategies.pipeline_blocks import BlockStage, block_bounds, check_chained, evaluating
+
+if TYPE_CHECKING:
+    from unifit.strategies.pipeline_sharding import ShardedBlocks
 
 log = logging.getLogger("unifit")
 
@@ -213,12 +216,22 @@ class Pipeline:
         self._structure: _Structure | None = None  # the current trace's output
         self.inferring = False  # set while a schedule infers its stage's shapes (see _flag_inference)
         self._trained = False  # a training batch came (the first is checked against the micro-batches)
+        self.sharding: ShardedBlocks | None = None  # this stage's blocks sharded over its replicas (FSDP2), if so
 
     # ---- one batch ------------------------------------------------------------------------
     def run(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], scale: torch.Tensor | None) -> Any:
         """The step over the batch's micro-batches through the pipeline: training (backward included, gradients
         scaled by `scale` / micro-batches) when `scale` is given, else forward only. Returns the batch's mean loss
         on the last stage (training), None elsewhere."""
+        try:
+            return self._scheduled(step, batch, batch_idx, more, scale)
+        finally:  # sharded blocks stay gathered from one micro-batch to the next, not past the batch
+            if self.sharding is not None:
+                self.sharding.reshard()
+
+    def _scheduled(
+        self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], scale: torch.Tensor | None
+    ) -> Any:
         rows = _rows(batch, step)
         if step == "training_step" and not self._trained and rows % self.microbatches:
             raise ConfigError(
@@ -230,9 +243,13 @@ class Pipeline:
         count = _microbatches(rows, self.microbatches)
         micro = _split(batch, count)
         traced = self._traced.get(key := _shapes(micro[0]))
+        training = scale is not None
+        if training and self.sharding is not None:  # a build gathers: every replica of the stage builds, or none
+            builds = traced is None or (training, count) not in traced.schedules
+            if self.sharding.any_builds(builds):
+                traced = None
         if traced is None:
             traced = self._traced[key] = self._build(step, micro[0], batch_idx, more)
-        training = scale is not None
         schedule = traced.schedules.get((training, count)) or self._schedule(traced, count, training)
         self._micro, self._call, self._scale, self._losses = micro, (step, batch_idx, more), scale, []
         self._structure = traced.output
@@ -350,6 +367,8 @@ class Pipeline:
                 _Entry(network, seen)(*call_args, **call_kwargs)
             if not self.owned_ids:  # the first build: every weight is rank 0's still
                 check_chained(stages, network, leaves, self.network)
+            if self.sharding is not None:
+                self.sharding.reshard()  # the ids below are the shards'
         except Exception as exc:
             if isinstance(exc, ConfigError) or not any(local(p) is not p for p in network.parameters()):
                 raise
@@ -474,9 +493,13 @@ class Pipeline:
         stage = pipelining.PipelineStage(
             traced.stage_module, self.stage_index, self.stages, self.device, group=self.group
         )
-        kind = getattr(pipelining, SCHEDULES[self.schedule])
+        # 1F1B needs a micro-batch per stage at least: a batch of fewer rows (the last, short one) runs GPipe, which
+        # computes the same, in another order
+        kind = getattr(pipelining, SCHEDULES[self.schedule if count >= self.stages else "gpipe"])
         schedule = traced.schedules[training, count] = kind(stage, count, loss_fn=self._loss, scale_grads=False)
         schedule._has_backward = training
+        if self.sharding is not None:
+            self.sharding.drive(stage)
         _flag_inference(schedule, self)
         return schedule
 
@@ -537,6 +560,13 @@ class Pipeline:
             ".".join(p for p in (self.network, name, str(i)) if p) for i in range(bounds[-1]) if not start <= i < end
         ]
         return {k: v for k, v in plan.items() if not any(k == o or k.startswith(o + ".") for o in others)}
+
+    def this_blocks(self) -> list[torch.nn.Module]:
+        """This stage's blocks (stages built from the blocks)."""
+        assert self._bounds is not None  # checked at __init__ for stages: blocks
+        name, bounds = self._bounds
+        blocks = self.holder.get_submodule(self.network).get_submodule(name)
+        return list(blocks)[bounds[self.stage_index] : bounds[self.stage_index + 1]]
 
     # ---- the other stages' weights ---------------------------------------------------------
     def release(self) -> None:

@@ -75,7 +75,8 @@ class PipelineTraining:
             if self.data_parallel_size > 1:  # a tensor-parallel gradient: its shard (the replicas' places match)
                 from unifit.strategies.pipeline import local
 
-                grads = [local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                grads = [local(p.grad) for p in params if not _sharded_over_replicas(p)]  # FSDP2 reduced those
                 average(grads, self.data_parallel_size, self.device_mesh["data_parallel"].get_group())
         return super().synchronized_gradients(optimizer)
 
@@ -131,12 +132,11 @@ class PipelineTraining:
         return {"model": keep, "optimizer": each_optimizer(optimizer, lambda o: _named_owned(o, module, owned))}
 
     def _split_anywhere(self, model: dict[str, Any]) -> set[str]:
-        """The names some rank holds split (a DTensor) while the stages are not built yet: a stage's layers are split
-        at wrap time, the other stages' are whole there (ranks of another stage hold them whole too)."""
+        """The names some rank holds split or sharded (a DTensor) while the stages are not built yet: a stage's
+        layers are split (and its blocks sharded) at wrap time, the other stages' are whole there (ranks of another
+        stage hold them whole too)."""
         from torch.distributed.tensor import DTensor
 
-        if self.tensor_parallel == 1:
-            return set()
         mine = [k for k, v in model.items() if isinstance(v, DTensor)]
         return set().union(*self.all_gather_object(mine))
 
@@ -149,7 +149,9 @@ class PipelineTraining:
             return super().load_training_state(module, optimizer, state, storage_options)
         pipeline = self._pipeline.pipeline
         pipeline.materialize()
-        if self.tensor_parallel > 1:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in sharded_state.state_module(module).parameters()):
             _load_split(module, optimizer, state, storage_options)
         else:
             super().load_training_state(module, optimizer, state, storage_options)
@@ -165,18 +167,24 @@ class PipelineTraining:
 
         owned = self._pipeline.pipeline.owned_ids
         model = sharded_state.state_module(module).state_dict(keep_vars=True)
-        part: dict[str, Any] | None = None
-        if self.data_parallel_rank == 0:  # full_tensor(): a collective of the tensor-parallel group (on this line)
-            whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-            part = {k: whole(v).detach().cpu() for k, v in model.items() if id(v) in owned}
-            if self.rank % self.tensor_parallel:  # the group's first rank sends it
-                part = None
+        # full_tensor(): a collective of the stage's ranks over its meshes (every rank of the stage, on this line)
+        whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+        part: dict[str, Any] | None = {k: whole(v).detach().cpu() for k, v in model.items() if id(v) in owned}
+        if self.data_parallel_rank or self.rank % self.tensor_parallel:  # the stage's first rank sends it
+            part = None
         parts = [p for p in self.all_gather_object(part) if p is not None]
         state = {k: v.detach() for k, v in model.items()}
         if self.is_global_zero:
             for each in parts:
                 state.update(each)
         return state
+
+
+def _sharded_over_replicas(parameter: Any) -> bool:
+    """A parameter FSDP2 shards over the stage's replicas (a stage's block): its gradient is reduced already."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(parameter, DTensor) and "data_parallel" in (parameter.device_mesh.mesh_dim_names or ())
 
 
 def _named_owned(optimizer: Any, module: Any, owned: set[int]) -> dict[str, Any]:

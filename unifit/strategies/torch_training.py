@@ -79,10 +79,10 @@ class TorchTraining:
         """Around forward and backward of a micro-batch that does not step: no gradient sync."""
         return _PLAIN
 
-    def evaluating_unevenly(self, wrapped: Any) -> ContextManager[Any]:
-        """Around a validation in which the ranks take different numbers of batches (shards of a dataset that does
-        not divide evenly), where `routes_all_steps`: a forward that is a collective must not be left to some ranks
-        only. Nothing to do for a forward without collectives."""
+    def evaluating(self, wrapped: Any, uneven: bool) -> ContextManager[Any]:
+        """Around a validation inside fit; `uneven`: the ranks take different numbers of batches (shards of a dataset
+        that does not divide evenly) where `routes_all_steps`, so a forward that is a collective must not be left to
+        some ranks only. Nothing to do for a forward without collectives."""
         return _PLAIN
 
     def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:

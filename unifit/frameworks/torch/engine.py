@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
@@ -456,8 +456,7 @@ class TorchEngine(TorchEvaluation, Engine):
             module.on_validation_model_zero_grad()
         module.on_validation_model_eval()
         self._rank_zero_buffers()
-        uneven = self._uneven_validation()
-        with self.separate_metrics(), self.training.evaluating_unevenly(self.wrapped) if uneven else nullcontext():
+        with self.separate_metrics(), self.training.evaluating(self.wrapped, self._uneven_validation()):
             yield
         if module.overrides_model_train():
             module.on_validation_model_train()
