@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, assert_ok, metrics_lines, run_unifit
-from tests.probe.tiny_gpt import PLAN, SEQUENCE_PLAN, TinyGPT
+from tests.probe.tiny_gpt import LLAMA_SEQUENCE_PLAN, PLAN, SEQUENCE_PLAN, TinyGPT
 from unifit.strategies.sharded_state import read_whole
 
 YAML = REPO / "tests" / "probe" / "tiny_gpt.yaml"
@@ -313,10 +313,14 @@ def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_lay
 def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_one_process(tmp_path):
     """transformers' Llama (its code unchanged, tied embeddings, `labels` into the model, the loss inside it): torch's
     tracer builds a stage that cannot run (its rotary embedding called without inputs), so unifit builds the 2
-    stages from its decoder layers; each stage computes the rotary table and the mask itself. Against one process."""
+    stages from its decoder layers; each stage computes the rotary table and the mask itself. Against one process.
+    The same against 2 tensor-parallel ranks with a hand-written sequence-parallel plan (LLAMA_SEQUENCE_PLAN)."""
     llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama")
-    one, staged = tmp_path / "one", tmp_path / "staged"
+    one, staged, sequence = tmp_path / "one", tmp_path / "staged", tmp_path / "sequence"
     _run(one, "single", 1, *llama)
+    out = _run(sequence, "model-parallel", 2, *llama, options={"tensor_parallel": 2, "plan": LLAMA_SEQUENCE_PLAN})
+    assert "(10 colwise, 1 colwise_gather, 1 rowwise, 4 rowwise_sequence, 7 sequence)" in out.stderr, out.stderr
+    assert _max_diff(_weights(sequence), _weights(one)) < CLOSE  # measured 8.4e-7
     out = _run(staged, "model-parallel", 2, *llama, options={"pipeline_parallel": 2, "microbatches": 4})
     # (torch 2.13's tracer builds a stage that cannot run; 2.11's fails otherwise: the reason is torch's)
     assert "torch's tracer cannot build the stages (" in out.stderr, out.stderr

@@ -35,6 +35,21 @@ SEQUENCE_PLAN = {
     "net.blocks.*.mlp.down": "rowwise_sequence",
     "net.norm": "sequence",
 }
+# transformers' Llama (TransformersLlama) written by hand with sequence parallelism: its `_tp_plan` plus the decoder
+# layers, their norms and the final norm on sequence shards (the rotary table stays whole: q and k are gathered)
+LLAMA_SEQUENCE_PLAN = {
+    "model.model.embed_tokens": "rowwise",
+    "model.model.layers.*": "sequence",
+    "model.model.layers.*.input_layernorm": "sequence",
+    "model.model.layers.*.post_attention_layernorm": "sequence",
+    **{f"model.model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.model.layers.*.self_attn.o_proj": "rowwise_sequence",
+    "model.model.layers.*.mlp.gate_proj": "colwise",
+    "model.model.layers.*.mlp.up_proj": "colwise",
+    "model.model.layers.*.mlp.down_proj": "rowwise_sequence",
+    "model.model.norm": "sequence",
+    "model.lm_head": "colwise_gather",
+}
 
 
 class Attention(nn.Module):
