@@ -430,9 +430,7 @@ def _end_launched_rank(code: int) -> None:
     import ctypes
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # as Python's exit: threading's exit hooks, then the joins
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

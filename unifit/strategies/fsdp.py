@@ -601,19 +601,16 @@ def gathered_through(sharded: list[Any]) -> Iterator[None]:
     """Every FSDP module's parameters gathered (a collective every rank joins here) and kept so through the forwards
     inside (FSDP2 does not gather a gathered unit again); then each module's own resharding back, and its shards."""
     groups = [group for module in sharded for group in module._get_fsdp_state()._fsdp_param_groups]
-    automatic = [(module, module._get_fsdp_state()._auto_reshard_after_forward) for module in sharded]
     after_forward = [(group, group.post_forward_mesh_info) for group in groups]
-    for module in sharded:
-        module.unshard()
-    for group in groups:
-        group.post_forward_mesh_info = None  # FSDP2's set_reshard_after_forward(False), undone below as it was
     try:
+        for module in sharded:
+            module.unshard()
+        for group in groups:
+            group.post_forward_mesh_info = None  # FSDP2's set_reshard_after_forward(False), undone below as it was
         yield
     finally:
         for group, info in after_forward:
             group.post_forward_mesh_info = info
-        for module, auto in automatic:
-            module._get_fsdp_state()._auto_reshard_after_forward = auto
         for module in sharded:
             module.reshard()
 

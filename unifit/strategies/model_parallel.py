@@ -396,6 +396,7 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             blocks = pipeline.this_blocks()
             self._shard_blocks(blocks)
             pipeline.sharding = ShardedBlocks(blocks, self.device_mesh["data_parallel"].get_group(), device)
+            pipeline.own_blocks()  # as the shards, before any batch
         if self.is_global_zero:
             log.info(
                 "model-parallel: %s split into %d stages at %s (%s schedule)",

@@ -246,7 +246,7 @@ class Pipeline:
         training = scale is not None
         if training and self.sharding is not None:  # a build gathers: every replica of the stage builds, or none
             builds = traced is None or (training, count) not in traced.schedules
-            if self.sharding.any_builds(builds):
+            if self.sharding.agree(builds, count, batch_idx):
                 traced = None
         if traced is None:
             traced = self._traced[key] = self._build(step, micro[0], batch_idx, more)
@@ -365,12 +365,12 @@ class Pipeline:
             with evaluating(network), _quiet("torch._subclasses.fake_tensor"):  # DTensor's failed op: a traceback
                 call_args, call_kwargs = tree_unflatten(leaves, spec)
                 _Entry(network, seen)(*call_args, **call_kwargs)
-            if not self.owned_ids:  # the first build: every weight is rank 0's still
+            if not self._traced:  # the first build: every weight is rank 0's still
                 check_chained(stages, network, leaves, self.network)
             if self.sharding is not None:
-                self.sharding.reshard()  # the ids below are the shards'
+                self.sharding.reshard()
         except Exception as exc:
-            if isinstance(exc, ConfigError) or not any(local(p) is not p for p in network.parameters()):
+            if isinstance(exc, ConfigError) or not any(_split_by_plan(p) for p in network.parameters()):
                 raise
             # this stage's layers split, the others whole: only a split whose pairs stay inside a stage runs so
             raise ConfigError(
@@ -380,12 +380,7 @@ class Pipeline:
                 "drop the pair from the plan"
             ) from None
         if not self.owned_ids:
-            tensors = lambda modules: {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}  # noqa: E731
-            per_stage = [tensors(list(blocks)[bounds[i] : bounds[i + 1]]) for i in range(self.stages)]
-            outside = tensors([network]) - set().union(*per_stage)
-            held = [ids | outside for ids in per_stage]
-            self.owned_ids = held[self.stage_index]
-            self._find_shared(held, network)
+            self.own_blocks()
         self.release()
         stage = stages[self.stage_index]
         if not self.first:
@@ -560,6 +555,26 @@ class Pipeline:
             ".".join(p for p in (self.network, name, str(i)) if p) for i in range(bounds[-1]) if not start <= i < end
         ]
         return {k: v for k, v in plan.items() if not any(k == o or k.startswith(o + ".") for o in others)}
+
+    @property
+    def built(self) -> bool:
+        """Whether a stage was built (the first batch came)."""
+        return bool(self._traced)
+
+    def own_blocks(self) -> None:
+        """Which tensors each stage holds (stages built from the blocks): its blocks, and every tensor outside them.
+        Known before any batch where the blocks are sharded, as their shards: a first build may come inside a
+        validation that holds them gathered, when the module's parameters are not the shards."""
+        assert self._bounds is not None  # checked at __init__ for stages: blocks
+        network = self.holder.get_submodule(self.network)
+        name, bounds = self._bounds
+        blocks = list(network.get_submodule(name))
+        tensors = lambda modules: {id(t) for m in modules for t in (*m.parameters(), *m.buffers())}  # noqa: E731
+        per_stage = [tensors(blocks[bounds[i] : bounds[i + 1]]) for i in range(self.stages)]
+        outside = tensors([network]) - set().union(*per_stage)
+        held = [ids | outside for ids in per_stage]
+        self.owned_ids = held[self.stage_index]
+        self._find_shared(held, network)
 
     def this_blocks(self) -> list[torch.nn.Module]:
         """This stage's blocks (stages built from the blocks)."""
@@ -771,6 +786,13 @@ def _muted(module: Any) -> contextlib.AbstractContextManager[Any]:
             module._unifit_collector = collector
 
     return muted()
+
+
+def _split_by_plan(parameter: Any) -> bool:
+    """A parameter the tensor-parallel plan split (a DTensor over a tensor-parallel mesh; not an FSDP shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(parameter, DTensor) and "tensor_parallel" in (parameter.device_mesh.mesh_dim_names or ())
 
 
 def _rows(batch: Any, step: str) -> int:

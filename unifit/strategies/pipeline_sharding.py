@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from unifit.errors import ConfigError
+
 
 class ShardedBlocks:
     """This stage's FSDP2 blocks and the data-parallel group that shards them."""
@@ -43,14 +45,25 @@ class ShardedBlocks:
         stage.backward_maybe_with_nosync = each_backward
         stage._post_metadata_inference_cleanup = lambda: _free_inference_tensors(stage)
 
-    def any_builds(self, builds: bool) -> bool:
-        """Whether this rank or another replica of its stage builds a stage or schedule for this batch (a collective
-        of the replicas, once a training batch)."""
+    def agree(self, builds: bool, microbatches: int, batch_idx: int) -> bool:
+        """Whether this rank or another replica of its stage builds a stage or schedule for this training batch (a
+        collective of the replicas, once a batch). Each block gathers once per micro-batch: replicas cutting their
+        batches into different numbers of micro-batches (batches of different row counts) would not pair their
+        gathers, so that is refused."""
         import torch.distributed as dist
 
-        flag = torch.tensor([int(builds)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        agreed = torch.tensor([int(builds), microbatches, -microbatches], device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        anyone, most, fewest = agreed.tolist()
+        if most != -fewest:
+            raise ConfigError(
+                f"trainer.strategy_options.stages: training batch {batch_idx} is cut into {-fewest} micro-batches on "
+                f"one replica of a stage and {most} on another (batches of different row counts); blocks sharded over "
+                "the replicas gather once per micro-batch, so every replica needs the same count: give batches of "
+                "equal rows (a fixed batch size; a batch sampler of varying sizes differs), or stages: trace "
+                "(replicas held whole) without tensor_parallel"
+            )
+        return bool(anyone)
 
     def reshard(self) -> None:
         """The blocks back to their shards (after a batch: what the optimizer steps and a checkpoint holds), unless

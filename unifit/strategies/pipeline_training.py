@@ -155,7 +155,8 @@ class PipelineTraining:
             _load_split(module, optimizer, state, storage_options)
         else:
             super().load_training_state(module, optimizer, state, storage_options)
-        pipeline.release()
+        if pipeline.built:  # before the first build the whole network stays: that build runs it whole, checking
+            pipeline.release()
         self._trim_pending = optimizer is not None  # at the first step, when the stages are built
 
     def full_model_state(self, module: Any) -> dict[str, Any]:
