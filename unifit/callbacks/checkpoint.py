@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from unifit.callbacks.monitor import check_monitor
 from unifit.checkpoint.store import checkpoint_name
 from unifit.config.schema import CheckpointConfig
-from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
 
 log = logging.getLogger("unifit")
@@ -30,6 +30,9 @@ class ModelCheckpoint(Callback):
         self.best_value: float | None = None
         self.best_name: str | None = None
         self.best_k: dict[str, float] = {}  # the k best checkpoints by the monitor: name -> value
+
+    def on_validation_end(self, ctx: Any) -> None:
+        check_monitor("trainer.checkpoint.monitor", self.config.monitor, ctx.state.metrics, final=False)
 
     def on_epoch_end(self, ctx: Any) -> None:
         cfg, state = self.config, ctx.state
@@ -81,11 +84,7 @@ class ModelCheckpoint(Callback):
         monitor = self.config.monitor
         if monitor is None:
             return False
-        if monitor not in ctx.state.metrics:
-            raise ConfigError(
-                f"trainer.checkpoint.monitor: '{monitor}' was not logged; logged metrics: "
-                f"{', '.join(sorted(ctx.state.metrics))}"
-            )
+        check_monitor("trainer.checkpoint.monitor", monitor, ctx.state.metrics, final=True)
         value = float(ctx.state.metrics[monitor])
         if not math.isfinite(value):
             return False

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from unifit.callbacks.monitor import check_monitor
 from unifit.config.schema import EarlyStoppingConfig
-from unifit.errors import ConfigError
 from unifit.loop.callback import Callback
 
 
@@ -19,15 +19,16 @@ class EarlyStopping(Callback):
         self.best: float | None = None
         self.bad_epochs = 0
 
+    def on_validation_end(self, ctx: Any) -> None:
+        if self.config.strict:
+            check_monitor("trainer.early_stopping.monitor", self.config.monitor, ctx.state.metrics, final=False)
+
     def on_epoch_end(self, ctx: Any) -> None:
         cfg = self.config
         if cfg.monitor not in ctx.state.metrics:
             if not cfg.strict:
                 return
-            raise ConfigError(
-                f"trainer.early_stopping.monitor: '{cfg.monitor}' was not logged; logged metrics: "
-                f"{', '.join(sorted(ctx.state.metrics))}"
-            )
+            check_monitor("trainer.early_stopping.monitor", cfg.monitor, ctx.state.metrics, final=True)
         reason = self._stop_reason(float(ctx.state.metrics[cfg.monitor]))
         if reason is not None:
             ctx.state.request_stop(f"early stopping: {reason}")

@@ -39,7 +39,14 @@ _SECTIONS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="unifit", description="Train a unifit module from a YAML experiment file.")
+    from unifit.strategies import registry
+
+    parser = argparse.ArgumentParser(
+        prog="unifit",
+        description="Train a unifit module from a YAML experiment file. Strategies (trainer.strategy): "
+        + ", ".join(registry.names())
+        + ", or the class path of your own (pkg.module:MyStrategy).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def experiment_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -55,7 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     show = sub.add_parser("print-config", help="print the fully resolved config")
     experiment_args(show)
-    launch = sub.add_parser("launch", help="start the processes of the configured strategy (torchrun, ...)")
+    launch = sub.add_parser(
+        "launch",
+        help="start the processes of the configured strategy (" + ", ".join(registry.names()) + ")",
+        description="Start the processes of the configured strategy: "
+        + "; ".join(f"{registry.entry(name).name}: {registry.entry(name).summary}" for name in registry.names())
+        + ".",
+    )
     experiment_args(launch, required=False)
     launch.add_argument(
         "--strategy",
@@ -159,7 +172,10 @@ def load_experiment(path: str, overrides: dict[str, str]) -> Any:
     experiment._lightning_run = lightning_run  # the processes a LightningCLI file asks for, checked where they run
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # let class paths name modules of the working directory
-    registry.entry(experiment.trainer.strategy)
+    try:
+        registry.strategy_class(experiment.trainer.strategy).validate_options(experiment.trainer.strategy_options)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     check_classes(experiment)
     return experiment
 
@@ -234,11 +250,8 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
     from unifit.strategies import registry
     from unifit.strategies.launchers.base import LaunchSpec
 
-    strategy = (
-        _script_strategy(args, overrides, script)
-        if script
-        else load_experiment(args.config, overrides).trainer.strategy
-    )
+    experiment = None if script else load_experiment(args.config, overrides)
+    strategy = _script_strategy(args, overrides, script) if experiment is None else experiment.trainer.strategy
     spec = LaunchSpec(
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,
@@ -262,6 +275,14 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
         spec = dataclasses.replace(spec, nnodes=len(spec.hosts))
     if spec.nproc_per_node < 1 or spec.nnodes < 1:
         raise ConfigError(f"--nproc-per-node {spec.nproc_per_node} --nnodes {spec.nnodes}: both must be >= 1")
+    if experiment is not None:  # the layout against the world about to start, before it starts
+        cls = registry.strategy_class(strategy)
+        cls.check_launch(
+            cls.validate_options(experiment.trainer.strategy_options),
+            world_size=spec.nproc_per_node * spec.nnodes,
+            nproc_per_node=spec.nproc_per_node,
+            accelerator=experiment.trainer.accelerator,
+        )
     return registry.launcher(strategy).launch(spec)
 
 

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from unifit.config.schema import TrainerConfig
+from unifit.config.schema import PRECISION_SPELLINGS, TrainerConfig
 from unifit.errors import ConfigError
 
 log = logging.getLogger("unifit")
@@ -34,14 +34,6 @@ _STRATEGIES = {
     "DDPStrategy": "ddp",
     "FSDPStrategy": "fsdp",
     "SingleDeviceStrategy": "single",
-}
-_PRECISIONS = {
-    "32": "32-true",
-    "32-true": "32-true",
-    "16": "16-mixed",
-    "16-mixed": "16-mixed",
-    "bf16": "bf16-mixed",
-    "bf16-mixed": "bf16-mixed",
 }
 _ACCELERATORS = {"auto": "auto", "cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
 # Lightning Trainer arguments unifit has no counterpart for, with the values that mean "Lightning's default"
@@ -238,9 +230,9 @@ def _precision(value: Any) -> str | None:
     if value is None:
         return None
     text = str(value)
-    if text not in _PRECISIONS:
+    if text not in PRECISION_SPELLINGS:
         raise ConfigError(f"received {value!r}; unifit trains in 32-true, 16-mixed and bf16-mixed")
-    return _PRECISIONS[text]
+    return PRECISION_SPELLINGS[text]
 
 
 def _accelerator(value: Any) -> str | None:

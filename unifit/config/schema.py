@@ -268,12 +268,23 @@ class DeviceStatsConfig(_Strict):
     )
 
 
+# Lightning's spellings of the precisions unifit runs (its Trainer takes 32, 16 and bf16 for the same)
+PRECISION_SPELLINGS = {
+    "32": "32-true",
+    "32-true": "32-true",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+}
+
+
 class TrainerConfig(_Strict):
     """Everything the Trainer does; `Trainer(**fields)` takes the same names."""
 
     strategy: str = Field(
         "single",
-        description="Distribution strategy: a registered name (single, ddp, smddp-like, fsdp, horovod, mirrored, mwms) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.",
+        description="Distribution strategy: a registered name (single, ddp, smddp-like, fsdp, model-parallel, horovod, mirrored, mwms, parameter-server) or the class path of your own Strategy subclass (pkg.module:MyStrategy), checked when the Trainer is made.",
     )
     strategy_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -312,7 +323,7 @@ class TrainerConfig(_Strict):
     )
     precision: Literal["32-true", "bf16-mixed", "16-mixed"] = Field(
         "32-true",
-        description="Numerics of the step (Lightning's names): 32-true, bf16-mixed (autocast / Keras mixed_bfloat16), 16-mixed (float16 with dynamic loss scaling).",
+        description="Numerics of the step (Lightning's names; its 32, 16 and bf16 are taken too): 32-true, bf16-mixed (autocast / Keras mixed_bfloat16), 16-mixed (float16 with dynamic loss scaling).",
     )
     compile: bool = Field(
         False, description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules."
@@ -415,6 +426,20 @@ class TrainerConfig(_Strict):
         adopted = self.model_copy(update={"batch_size": batch_size})
         adopted._batch_size_from = source
         return adopted
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _lightning_precision(cls, value: Any) -> Any:
+        """Lightning's 32, 16 and bf16 as unifit's names; its pure half and float64 modes refused in one line."""
+        text = str(value)
+        if text in PRECISION_SPELLINGS:
+            return PRECISION_SPELLINGS[text]
+        if text in ("16-true", "bf16-true", "64", "64-true", "transformer-engine", "transformer-engine-float16"):
+            raise ValueError(
+                f"Lightning's {text} is not run by unifit; use 32-true, bf16-mixed (bfloat16 compute, float32 weights) "
+                "or 16-mixed (float16 with loss scaling)"
+            )
+        return value
 
     @field_validator("max_time", mode="before")
     @classmethod

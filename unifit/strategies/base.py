@@ -57,10 +57,21 @@ class Strategy(ABC):
         self.framework = framework  # of the module being trained (for messages; the table picks the training part)
         self.accelerator = accelerator
         self.collective_timeout_s = collective_timeout_s
+        self.options = self.validate_options(options)
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any] | None) -> BaseModel:
+        """trainer.strategy_options as this strategy's Options, or a one-line ConfigError naming the field.
+        A classmethod so the experiment is checked when it is loaded, before any process starts."""
         try:
-            self.options = self.Options.model_validate(options or {})
+            return cls.Options.model_validate(options or {})
         except ValidationError as exc:
-            raise ConfigError(explain(exc, self.Options, options, prefix="trainer.strategy_options.")) from None
+            raise ConfigError(explain(exc, cls.Options, options, prefix="trainer.strategy_options.")) from None
+
+    @classmethod
+    def check_launch(cls, options: BaseModel, *, world_size: int, nproc_per_node: int, accelerator: str) -> None:
+        """Refuse, before `unifit launch` starts a process, a layout this strategy cannot run (a ConfigError
+        that says what to change). What needs the ranks themselves is checked in setup."""
 
     # ---- rank facts -------------------------------------------------------------------
     @property
@@ -228,6 +239,24 @@ class TorchDistributedStrategy(Strategy, ABC):
     """
 
     _host_group: Any = None  # set by setup where the backend is not gloo and side groups are allowed
+
+    @classmethod
+    def check_launch(cls, options: BaseModel, *, world_size: int, nproc_per_node: int, accelerator: str) -> None:
+        """One GPU per rank: more ranks on a node than GPUs visible is refused before torchrun starts them
+        (each rank would fail alone, 'local rank 1 has no GPU'), naming the three ways out."""
+        super().check_launch(options, world_size=world_size, nproc_per_node=nproc_per_node, accelerator=accelerator)
+        if accelerator == "cpu" or getattr(options, "share_gpus", False):
+            return
+        from unifit.strategies.torch_device import gpus_visible
+
+        gpus = gpus_visible()
+        if gpus and nproc_per_node > gpus:
+            raise ConfigError(
+                f"--nproc-per-node {nproc_per_node}: this machine has {gpus} GPU{'s' if gpus > 1 else ''} and "
+                f"{cls.__name__} runs one rank per GPU; launch --nproc-per-node {gpus}, or train on the CPU with "
+                "--trainer.accelerator cpu, or share the GPUs (slower, for testing) with --trainer.strategy_options "
+                "'{share_gpus: true}'"
+            )
 
     @abstractmethod
     def _group_ready(self) -> bool:

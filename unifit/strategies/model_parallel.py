@@ -169,27 +169,15 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
         last = rank // (self.tensor_parallel * self.data_parallel_size) == self.pipeline_parallel - 1
         return rank % self.tensor_parallel == 0 and last
 
+    @classmethod
+    def check_launch(cls, options: Any, *, world_size: int, nproc_per_node: int, accelerator: str) -> None:
+        """The layout against the world `unifit launch` is about to start, before it starts it."""
+        super().check_launch(options, world_size=world_size, nproc_per_node=nproc_per_node, accelerator=accelerator)
+        tensor = nproc_per_node if options.tensor_parallel == "auto" else options.tensor_parallel
+        _check_layout(options, world_size, tensor)
+
     def setup(self) -> None:
-        split = self.tensor_parallel * self.pipeline_parallel
-        if self.pipeline_parallel > 1 and self.world_size % split:
-            raise ConfigError(
-                f"trainer.strategy_options: tensor_parallel {self.tensor_parallel} x pipeline_parallel "
-                f"{self.pipeline_parallel} does not divide the world size {self.world_size}; launch a multiple of "
-                f"{split} ranks"
-            )
-        if self.world_size % self.tensor_parallel:
-            raise ConfigError(
-                f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel} does not divide the world size "
-                f"{self.world_size}; use a divisor of {self.world_size} or launch a multiple of {self.tensor_parallel} "
-                "ranks"
-            )
-        wanted = self.options.data_parallel
-        if wanted != "auto" and wanted * split != self.world_size:
-            raise ConfigError(
-                f"trainer.strategy_options.data_parallel: {wanted} x tensor_parallel {self.tensor_parallel} x "
-                f"pipeline_parallel {self.pipeline_parallel} is not the world size {self.world_size}; set "
-                f"data_parallel: auto, or launch {wanted * split} ranks"
-            )
+        _check_layout(self.options, self.world_size, self.tensor_parallel)
         super().setup()
         if not self._group_ready():
             return
@@ -573,3 +561,25 @@ def _tensor_parallel_meshes(model: Any) -> list[Any]:
             if all(mesh != m for m in meshes):
                 meshes.append(mesh)
     return meshes
+
+
+def _check_layout(options: ModelParallelOptions, world_size: int, tensor: int) -> None:
+    """tensor x pipeline (x data, where given) must make the world size: a ConfigError saying what to launch."""
+    pipeline = options.pipeline_parallel
+    split = tensor * pipeline
+    if pipeline > 1 and world_size % split:
+        raise ConfigError(
+            f"trainer.strategy_options: tensor_parallel {tensor} x pipeline_parallel {pipeline} does not divide the "
+            f"world size {world_size}; launch a multiple of {split} ranks"
+        )
+    if world_size % tensor:
+        raise ConfigError(
+            f"trainer.strategy_options.tensor_parallel: {tensor} does not divide the world size {world_size}; use a "
+            f"divisor of {world_size} or launch a multiple of {tensor} ranks"
+        )
+    wanted = options.data_parallel
+    if wanted != "auto" and wanted * split != world_size:
+        raise ConfigError(
+            f"trainer.strategy_options.data_parallel: {wanted} x tensor_parallel {tensor} x pipeline_parallel "
+            f"{pipeline} is not the world size {world_size}; set data_parallel: auto, or launch {wanted * split} ranks"
+        )

@@ -11,6 +11,7 @@ and its row here; a strategy of your own needs neither: name its class path
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -152,10 +153,46 @@ def entry(name: str) -> StrategyEntry:
         return _REGISTRY[name]
     if "." not in name and ":" not in name:
         raise ConfigError(
-            f"trainer.strategy: unknown strategy '{name}'; valid strategies: {', '.join(_REGISTRY)}, "
-            "or the class path of a Strategy subclass (pkg.module:MyStrategy)"
+            f"trainer.strategy: unknown strategy '{name}'{_did_you_mean(name)}; valid strategies: "
+            f"{', '.join(_REGISTRY)}, or the class path of a Strategy subclass (pkg.module:MyStrategy)"
         )
     return _entry_of_class(name)
+
+
+# Other trainers' names for what a registered strategy does (Lightning's strategy names, tf.distribute's classes)
+_THEIR_NAMES = {
+    "auto": "single (one process) or ddp (with unifit launch --nproc-per-node N)",
+    "ddp_spawn": "ddp",
+    "ddp_notebook": "ddp",
+    "ddp_find_unused_parameters_true": "ddp with strategy_options {find_unused_parameters: true}",
+    "deepspeed": "fsdp (ZeRO-3-style sharding of parameters, gradients and optimizer state)",
+    "fsdp2": "fsdp",
+    "modelparallelstrategy": "model-parallel",
+    "mirroredstrategy": "mirrored",
+    "multiworkermirroredstrategy": "mwms",
+    "multi_worker_mirrored": "mwms",
+    "parameterserverstrategy": "parameter-server",
+    "hvd": "horovod",
+    "smddp": "smddp-like",
+}
+
+
+def _did_you_mean(name: str) -> str:
+    """' (did you mean X?)' for a misspelt or another library's strategy name, else ''."""
+    key = name.strip().lower()
+    if key in _THEIR_NAMES:
+        return f" (did you mean {_THEIR_NAMES[key]}?)"
+    spelt = key.replace("_", "-").replace(" ", "-")
+    if spelt in _REGISTRY:
+        return f" (did you mean '{spelt}'?)"
+    close = difflib.get_close_matches(spelt, list(_REGISTRY), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The Strategy class of `name` (imported now; its Options check an experiment before launch)."""
+    cls: type[Strategy] = load_object(entry(name).strategy, field="trainer.strategy")
+    return cls
 
 
 def _entry_of_class(path: str) -> StrategyEntry:
@@ -192,9 +229,7 @@ def _path_of(cls: type) -> str:
 
 
 def create(name: str, env: ClusterEnvironment, **kwargs: Any) -> Strategy:
-    found = entry(name)
-    cls = load_object(found.strategy, field="trainer.strategy")
-    return cls(env, **kwargs)
+    return strategy_class(name)(env, **kwargs)
 
 
 def training(name: str, framework: str, strategy: Strategy) -> Any:

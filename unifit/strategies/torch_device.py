@@ -23,3 +23,10 @@ def torch_device(accelerator: str, index: int) -> Any:
         )
     torch.cuda.set_device(index)  # pin before any CUDA work, as torch's DDP guide does
     return torch.device("cuda", index)
+
+
+def gpus_visible() -> int:
+    """The CUDA devices this process may use (0 without a CUDA build or driver), without initialising CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
