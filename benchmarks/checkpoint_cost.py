@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench_paths import RESULTS  # noqa: E402  (beside this script)
+
 import unifit  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES, BATCH = 256, 2432, 10, 32
@@ -247,7 +249,7 @@ def main() -> None:
     p.add_argument("--sigterm-reps", type=int, default=2)
     p.add_argument("--sigterm-every", type=int, default=20, help="every_n_steps in the SIGTERM runs")
     p.add_argument("--sigterm-at", type=int, default=25, help="send SIGTERM once rank 0 finished this step")
-    p.add_argument("--out", default="benchmarks/results/checkpoint_cost.md")
+    p.add_argument("--out", default=f"{RESULTS}/checkpoint_cost.md")
     p.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json beside --out")
     args = p.parse_args()
     if args.report_only:

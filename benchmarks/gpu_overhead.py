@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from bench_modules import lightning_classifier, unifit_classifier  # beside this script
+from bench_paths import RESULTS, SCRATCH  # beside this script
 
 RUNNERS = ("raw", "unifit", "lightning")
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -159,7 +160,7 @@ def run_unifit(
         accelerator="gpu" if DEVICE == "cuda" else "cpu",
         precision=precision,
         num_workers=workers,
-        root_dir="benchmarks/_scratch/unifit",
+        root_dir=f"{SCRATCH}/unifit",
         progress_bar=False,
         checkpoint={"enabled": False},
         tensorboard={"enabled": False},
@@ -185,7 +186,7 @@ def run_lightning(model: str, steps: int, precision: str, workers: int) -> list[
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[timer],
-        default_root_dir="benchmarks/_scratch/lightning",
+        default_root_dir=f"{SCRATCH}/lightning",
     ).fit(lightning_classifier(net), loader(ds, workers, BATCH[model]))
     return timer.elapsed[1:]
 
@@ -236,7 +237,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per epoch (default: STEPS)")
     parser.add_argument("--models", default="resnet18,transformer")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers (the same for all runners)")
-    parser.add_argument("--out", default="benchmarks/results/gpu_overhead.md")
+    parser.add_argument("--out", default=f"{RESULTS}/gpu_overhead.md")
     parser.add_argument(
         "--smoke", action="store_true", help="on CPU, 2 steps a run, the transformer: checks the script"
     )
@@ -251,7 +252,7 @@ def main() -> None:
         DEVICE = "cpu"
         if not args.child:
             args.reps, args.steps, args.models = 1, 2, "transformer"
-            args.out = "benchmarks/_scratch/gpu_overhead_smoke.md"
+            args.out = f"{SCRATCH}/gpu_overhead_smoke.md"
     if args.child:
         return child(*args.child, args.steps, args.workers)
     import torch

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_paths import RESULTS  # beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 NS = ("unifit-node0", "unifit-node1")
 VETH = ("uf-veth0", "uf-veth1")
@@ -121,7 +123,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    out = Path(args.out or f"benchmarks/results/hierarchy_{args.rate}.md")
+    out = Path(args.out or f"{RESULTS}/hierarchy_{args.rate}.md")
     remove()
     results: dict[str, list[float]] = {"ddp": [], "smddp-like": []}
     try:

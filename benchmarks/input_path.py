@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_paths import RESULTS  # beside this script
 from torch.utils.data import DataLoader, TensorDataset
 
 from unifit.frameworks.torch import data as tdata
@@ -47,7 +48,7 @@ def loaders(shape: tuple[int, ...], batch: int) -> dict[str, DataLoader]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results/input_path.md")
+    parser.add_argument("--out", default=f"{RESULTS}/input_path.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_paths import RESULTS  # beside this script
+
 import unifit  # noqa: E402
 from benchmarks.s3_overhead import EpochClock  # noqa: E402
 from tests.test_loggers import MlflowServer  # noqa: E402
@@ -85,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results/logger_overhead.md")
+    parser.add_argument("--out", default=f"{RESULTS}/logger_overhead.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     server = MlflowServer(Path(tempfile.mkdtemp(prefix="unifit-mlflow-")))

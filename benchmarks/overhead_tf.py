@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from bench_paths import RESULTS  # beside this script
 
 import unifit  # noqa: E402
 from unifit.strategies.environment import ClusterEnvironment  # noqa: E402
@@ -144,7 +145,7 @@ def run_fit(replicas: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/overhead_tf.md")
+    parser.add_argument("--out", default=f"{RESULTS}/overhead_tf.md")
     args = parser.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     MirroredStrategy(ClusterEnvironment(), options={"devices": 2})._make()  # split the CPU before TF starts

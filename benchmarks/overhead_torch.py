@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from bench_modules import lightning_classifier, unifit_classifier  # beside this script
+from bench_paths import RESULTS, SCRATCH  # beside this script
 
 # tiny: the size of issue 10's independent measurement (same network as mlp, 500 steps per epoch,
 # so per-epoch costs weigh 4x more than at 2000)
@@ -136,7 +137,7 @@ def run_unifit(model: str, defaults: bool = False) -> dict[str, dict[str, float]
     off = (
         {} if defaults else {"progress_bar": False, "checkpoint": {"enabled": False}, "tensorboard": {"enabled": False}}
     )
-    root = f"benchmarks/_scratch/unifit_{'defaults' if defaults else 'minimal'}"
+    root = f"{SCRATCH}/unifit_{'defaults' if defaults else 'minimal'}"
     unifit.Trainer(max_epochs=1, batch_size=MODELS[model]["batch"], root_dir=root, callbacks=[timer], **off).fit(
         unifit_classifier(net, ds)
     )
@@ -161,7 +162,7 @@ def run_lightning(model: str) -> dict[str, dict[str, float]]:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=[timer],
-        default_root_dir="benchmarks/_scratch/lightning",
+        default_root_dir=f"{SCRATCH}/lightning",
     ).fit(lightning_classifier(net), loader)
     return {"train": timer.train, "epoch": timer.epoch}
 
@@ -280,7 +281,7 @@ def instructions(runner: str, model: str, env: dict[str, str], scratch: Path) ->
 def instructions_report(models: list[str], runners: list[str], env: dict[str, str], jobs: int) -> list[str]:
     from concurrent.futures import ThreadPoolExecutor
 
-    scratch = Path("benchmarks/_scratch/callgrind")
+    scratch = SCRATCH / "callgrind"
     tasks = [(r, m) for m in models for r in runners]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         done = dict(zip(tasks, pool.map(lambda t: instructions(*t, env, scratch), tasks)))
@@ -353,7 +354,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument(
         "--out",
-        default="benchmarks/results/overhead_torch.md",
+        default=f"{RESULTS}/overhead_torch.md",
         help="default: benchmarks/results/overhead_torch.md, overhead_torch_instructions.md with --instructions",
     )
     parser.add_argument(
@@ -395,7 +396,7 @@ def main() -> None:
             "from on_train_epoch_start to on_train_epoch_end (and to after the epoch-end callbacks), per step.",
             "",
         ]
-        default = "benchmarks/results/overhead_torch_instructions.md"
+        default = f"{RESULTS}/overhead_torch_instructions.md"
         out = Path(args.out if args.out != parser.get_default("out") else default)
         out.write_text("\n".join(head + lines))
         print("\n".join(head + lines))

@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_paths import RESULTS  # noqa: E402  (beside this script)
+
 from tests.netns import IFNAME, Cluster  # noqa: E402
 from tests.test_multihost import _env, start_sshd  # noqa: E402
 
@@ -90,7 +92,7 @@ def main() -> None:
     parser.add_argument("--rate", default="200mbit", help="each host's link cap, or 'none'")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/ps_vs_allreduce_200mbit.md")
+    parser.add_argument("--out", default=f"{RESULTS}/ps_vs_allreduce_200mbit.md")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from --out's .json")
     args = parser.parse_args()
     if args.replot:

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_paths import RESULTS  # beside this script
+
 import unifit  # noqa: E402
 
 HIDDEN, SAMPLES, FEATURES = 1024, 16384, 256
@@ -105,9 +107,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/s3_overhead[_syncN].md")
     args = parser.parse_args()
     args.out = args.out or (
-        "benchmarks/results/s3_overhead.md"
-        if args.sync_every == 1.0
-        else f"benchmarks/results/s3_overhead_sync{args.sync_every:g}.md"
+        f"{RESULTS}/s3_overhead.md" if args.sync_every == 1.0 else f"{RESULTS}/s3_overhead_sync{args.sync_every:g}.md"
     )
     torch.set_num_threads(1)
     with socket.socket() as s:

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_paths import RESULTS  # beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
@@ -69,7 +71,7 @@ def measure(command: list[str]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", default="benchmarks/results/startup.md")
+    parser.add_argument("--out", default=f"{RESULTS}/startup.md")
     args = parser.parse_args()
     runs: dict[str, list[tuple[float, float]]] = {"imports": [], "hand loop": [], "unifit fit": []}
     for _ in range(args.reps):
