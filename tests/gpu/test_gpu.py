@@ -298,7 +298,7 @@ def test_pipeline_stages_on_gpus_match_one_gpu(tmp_path, precision):
     """model-parallel's pipeline on CUDA: 2 stages (tests/probe/tiny_gpt.py, its embedding tied to the head across
     the stages) over nccl on 2 GPUs, against one process on one GPU, same global batch. Two ranks sharing one GPU
     cannot run it: gloo's point-to-point sends of CUDA tensors fail ('writev: Bad address', H100, torch 2.11;
-    benchmarks/results/gpu_tests_pipeline_h100.log), so unifit refuses share_gpus with pipeline_parallel."""
+    benchmarks/results/archive/gpu_tests_pipeline_h100.log), so unifit refuses share_gpus with pipeline_parallel."""
     from tests.test_model_parallel import YAML
 
     def run(root: Path, *args: str) -> None:

@@ -1,11 +1,15 @@
-"""Generate docs/config.md from the schema, so the reference cannot drift from the code.
+"""Generate docs/config.md from the schema and every registered strategy's options model, so the
+reference cannot drift from the code.
 
 python -m unifit.cli.config_docs > docs/config.md
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import textwrap
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -70,6 +74,52 @@ def _default(field: Any) -> str:
     return json.dumps(field.default)
 
 
+def _source_comments(model: type[BaseModel]) -> dict[str, str]:
+    """Field -> the comment at the end of its line in the class body (`name: int = 1  # what it does`),
+    for fields whose Field() has no description: the code's own words, read from the code."""
+    comments: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or cls is BaseModel:
+            continue
+        try:
+            lines, _ = inspect.getsourcelines(cls)
+        except (OSError, TypeError):
+            continue
+        source = textwrap.dedent("".join(lines))
+        for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                line = source.splitlines()[node.end_lineno - 1]  # type: ignore[operator]
+                if "#" in line:
+                    comments[node.target.id] = line.split("#", 1)[1].strip()
+    return comments
+
+
+def _table(model: type[BaseModel]) -> list[str]:
+    comments = _source_comments(model)
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        meaning = (field.description or comments.get(name, "")).replace("|", "\\|")
+        lines.append(
+            f"| `{name}` | `{' '.join([_type_name(field.annotation), *_bounds(field.metadata)])}` | `{_default(field)}` | {meaning} |"
+        )
+    return lines
+
+
+def strategy_sections() -> list[tuple[str, str, type[BaseModel]]]:
+    """(strategy name, its frameworks, its options model) for every registered strategy, in registry order."""
+    from unifit._imports import load_object
+    from unifit.strategies import registry
+
+    frameworks = {"torch": "PyTorch", "tensorflow": "Keras"}
+    out = []
+    for name in registry.names():
+        entry = registry.entry(name)
+        cls = load_object(entry.strategy, field="trainer.strategy")
+        takes = " and ".join(frameworks[f] for f in sorted(entry.frameworks, reverse=True))
+        out.append((name, takes, cls.Options))
+    return out
+
+
 def render() -> str:
     lines = [
         "# Config reference",
@@ -86,14 +136,29 @@ def render() -> str:
             "",
             " ".join((model.__doc__ or "").split()),
             "",
-            "| key | type | default | meaning |",
-            "|---|---|---|---|",
+            *_table(model),
+            "",
         ]
-        for name, field in model.model_fields.items():
-            lines.append(
-                f"| `{name}` | `{' '.join([_type_name(field.annotation), *_bounds(field.metadata)])}` | `{_default(field)}` | {field.description or ''} |"
-            )
-        lines.append("")
+    lines += [
+        "## `trainer.strategy_options`, per strategy",
+        "",
+        "Each strategy checks `trainer.strategy_options` against its own options model (below, one section",
+        "per registered strategy, generated from that model). Unknown keys are errors.",
+        "",
+    ]
+    for name, takes, options in strategy_sections():
+        fields = bool(options.model_fields)
+        lines += [
+            f"### `{name}`",
+            "",
+            f"{takes} modules; see [strategies/{name}.md](strategies/{name}.md). "
+            + (
+                " ".join((options.__doc__ or "").split()) if fields else "No options: `strategy_options` must be empty."
+            ),
+            "",
+        ]
+        if fields:
+            lines += [*_table(options), ""]
     return "\n".join(lines)
 
 

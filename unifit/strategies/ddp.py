@@ -47,10 +47,18 @@ class ProcessGroupOptions(BaseModel):
 class DDPOptions(ProcessGroupOptions):
     """trainer.strategy_options for ddp (passed to torch's DistributedDataParallel)."""
 
-    find_unused_parameters: bool = False
-    bucket_cap_mb: PositiveFloat = 25.0
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
+    find_unused_parameters: bool = Field(
+        False, description="a forward that leaves some parameters out (branches): DDP finds them each step (slower)"
+    )
+    bucket_cap_mb: PositiveFloat = Field(
+        25.0, description="gradients are all-reduced in buckets of this size, overlapping the backward"
+    )
+    gradient_as_bucket_view: bool = Field(
+        True, description="gradients live in the buckets' memory (no copy, less memory)"
+    )
+    static_graph: bool = Field(
+        False, description="the same parameters are used every step: DDP can skip its per-step search"
+    )
 
 
 def average(grads: list[Any], size: int, group: Any = None) -> None:

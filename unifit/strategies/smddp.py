@@ -20,7 +20,7 @@ import threading
 from typing import Any, Literal
 
 import torch
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt
 
 from unifit.errors import ConfigError
 from unifit.strategies.ddp import DDPOptions, DDPStrategy
@@ -31,8 +31,14 @@ log = logging.getLogger("unifit")
 class SMDDPOptions(DDPOptions):
     """DDP's options plus the topology override and the choice of backend."""
 
-    local_world_size: PositiveInt | None = None
-    implementation: Literal["auto", "hierarchical", "smddp"] = "auto"
+    local_world_size: PositiveInt | None = Field(
+        None, description="ranks per node (default: the launcher's, or SageMaker's); sets the two-level topology"
+    )
+    implementation: Literal["auto", "hierarchical", "smddp"] = Field(
+        "auto",
+        description="smddp: SageMaker's smdistributed.dataparallel backend; hierarchical: unifit's reduce within a "
+        "node, all-reduce across node leaders, broadcast back; auto: smddp where installed, else hierarchical",
+    )
 
 
 def smddp_available() -> bool:

@@ -67,7 +67,8 @@ class Launcher(ABC):
         if spec.max_restarts and not self.supports_restarts:
             raise ConfigError(
                 f"--max-restarts {spec.max_restarts}: strategy '{self.strategy}' has no restarting launcher (only "
-                "torchrun's elastic agent restarts ranks: ddp, smddp-like, fsdp); restart the whole command instead "
+                "torchrun's elastic agent restarts ranks: ddp, smddp-like, fsdp, model-parallel); restart the whole "
+                "command instead "
                 "(e.g. a Kubernetes restartPolicy or a shell loop) with --ckpt-path auto"
             )
 
