@@ -34,6 +34,9 @@ class ModuleBase:
     # optimizer steps the fit will take (steps per epoch x max_epochs), set before configure_optimizers
     # runs, for schedules that need the total (OneCycleLR); None outside fit
     stepping_batches: int | None = None
+    # this fit's TrainerConfig, set before the module's setup and configure_optimizers run (a LightningModule's
+    # self.trainer answers max_epochs, precision... from it there, before the loop starts); None outside fit
+    fit_config: Any = None
 
     def save_hyperparameters(self, *names: str) -> None:
         """Keep the calling __init__'s arguments (all, or the ones named) in `self.hparams`, as

@@ -7,6 +7,7 @@ import io
 import itertools
 import logging
 import math
+import traceback
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -14,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from unifit.errors import ConfigError
+from unifit.errors import ConfigError, first_line
 from unifit.frameworks.base import Engine
 from unifit.frameworks.lr_policy import LRPolicy
 from unifit.frameworks.rng import host_rng_state, seed_host, set_host_rng_state
@@ -84,6 +85,7 @@ class TorchEngine(TorchEvaluation, Engine):
                 "the loss (torch.nn.functional.cross_entropy(..., weight=...))"
             )
         self.precision = make_precision(cfg.precision, self.device)
+        self.module.fit_config = cfg
         self.module.setup_stage("fit")
         self.module.to(self.device)
         if not self.module.state_module.training:  # as Lightning, unifit keeps the module's own modes
@@ -106,7 +108,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if manual:
             _check_manual(cfg, _name(self.module))
         self.module.stepping_batches = self._fit_length(self._steps_in)  # known before configure_optimizers
-        cfg = self.config  # max_steps: with the epochs it spans
+        cfg = self.module.fit_config = self.config  # max_steps: with the epochs it spans
         hooks = self.module.step_hooks()
         self.optimizers, self.schedules = parse_optimizers(
             _configure_optimizers(self.module), _name(self.module), manual, "lr_scheduler_step" in hooks
@@ -244,6 +246,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if self.config.batch_size == batch_size:
             self.config = self.config.adopting_batch_size(batch_size, source)
         self.module.stepping_batches = self._fit_length(self._steps_in)
+        self.module.fit_config = self.config
         self._apply_lr_policy(scaled_by=self.policy.factor)  # lr_scaling by a base_batch_size: lrs follow the size
 
     def _apply_lr_policy(self, scaled_by: float) -> None:
@@ -657,9 +660,11 @@ def _configure_optimizers(module: torch.nn.Module) -> Any:
     try:
         return module.configure_optimizers()
     except ValueError as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         raise ConfigError(
-            f"{_name(module)}.configure_optimizers() rejected its arguments: {exc}; "
-            "fix the module's init_args (e.g. a negative lr)"
+            f"{_name(module)}.configure_optimizers() raised ValueError{where}: {first_line(exc)}; check the values it "
+            "passes there (the module's init_args, e.g. a negative lr, or what it reads from self.trainer)"
         ) from None
 
 

@@ -436,6 +436,17 @@ class LightningAdapter(TrainModule):
         finally:
             self._scope = outer
 
+    @property
+    def fit_config(self) -> Any:
+        return self.view.config
+
+    @fit_config.setter
+    def fit_config(self, config: Any) -> None:
+        """self.trainer's max_epochs, precision, ... in setup() and configure_optimizers(), as Lightning has them."""
+        self.view.config = config
+        if self.view.ctx is None and config is not None:
+            self.view.max_epochs = config.max_epochs
+
     def configure_optimizers(self) -> Any:
         self.view.estimated_stepping_batches = self.stepping_batches  # for OneCycleLR(total_steps=...) and the like
         return self.lightning.configure_optimizers()

@@ -190,6 +190,7 @@ class TrainerView:
         self.fast_dev_run = False
         self.num_devices = 1
         self.estimated_stepping_batches: int | None = None  # set as fit's configure_optimizers runs
+        self.config: Any = None  # the run's TrainerConfig, from before setup() and configure_optimizers() run
 
     def _facts(self) -> tuple[int, int, int]:
         if self.ctx is not None:
@@ -274,7 +275,10 @@ class TrainerView:
     @property
     def accumulate_grad_batches(self) -> int:
         """The current epoch's (trainer.accumulation_schedule, Lightning's GradientAccumulationScheduler, changes it)."""
-        return self.ctx.config.accumulation_at(self.ctx.progress.epoch) if self.ctx is not None else 1
+        config = self._run_config()
+        if config is None:
+            return 1
+        return config.accumulation_at(self.ctx.progress.epoch if self.ctx is not None else 0)
 
     @accumulate_grad_batches.setter
     def accumulate_grad_batches(self, value: int) -> None:
@@ -344,8 +348,13 @@ class TrainerView:
     def gradient_clip_val(self) -> float | None:
         return self._config("gradient_clip_val")
 
+    def _run_config(self) -> Any:
+        """The running loop's config, else (in setup and configure_optimizers) the one the fit set up with."""
+        return self.ctx.config if self.ctx is not None else self.config
+
     def _config(self, name: str) -> Any:
-        return getattr(self.ctx.config, name) if self.ctx is not None else None
+        config = self._run_config()
+        return getattr(config, name) if config is not None else None
 
     def _seams(self) -> Any:
         if self.seams is None:
