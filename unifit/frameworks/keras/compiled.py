@@ -25,6 +25,7 @@ TensorFlow starts, and building a model starts it). docs/keras.md.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import keras
@@ -36,6 +37,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.keras.data import check_dataset
 from unifit.frameworks.keras.module import KerasModule
 
+log = logging.getLogger("unifit")
 _COMPILE_FIRST = "call model.compile(optimizer=..., loss=...) first"
 _AS_IS = "single, horovod"  # strategies that need no tf.distribute scope: they train a model as it is
 
@@ -298,13 +300,44 @@ class CompiledModel(KerasModule):
 
     # ---- after fit ------------------------------------------------------------------------------
     def copy_weights_back(self) -> None:
-        """The trained weights into the user's model object (as model.fit leaves it trained)."""
+        """The trained weights and optimizer state into the user's model object, as model.fit leaves it: trained,
+        `model.optimizer` built with its step count, slots and current learning rate (model.save() keeps them)."""
         built, user = self._built, self.user_model
-        if built is None or built is user:
+        if built is None or user is None:
             return
-        if not user.weights and getattr(built, "inputs", None):
-            user.build(built.inputs[0].shape)
-        user.set_weights(built.get_weights())
+        if built is not user:
+            if not user.weights and getattr(built, "inputs", None):
+                user.build(built.inputs[0].shape)
+            user.set_weights(built.get_weights())
+        trained = getattr(self, "trained_optimizer", None)
+        if trained is not None and getattr(user, "optimizer", None) is not None:
+            _copy_optimizer_state(trained, user, self.learning_rate.get())
+
+
+def _copy_optimizer_state(trained: Any, user: Any, learning_rate: float) -> None:
+    """The trained optimizer's step count and slot variables (momenta, ...) into `user.optimizer` (built for the
+    user's variables first), and the rate its next step would take where the user's rate is a number. The trained
+    one's rate is unifit's schedule (scaling, warmup): its variables are matched without it, slot by slot."""
+    own = getattr(user.optimizer, "inner_optimizer", user.optimizer)  # a LossScaleOptimizer of a mixed policy
+    trained = getattr(trained, "inner_optimizer", trained)
+    if not own.built:
+        own.build(user.trainable_variables)
+    own_rate, trained_rate = getattr(own, "_learning_rate", None), getattr(trained, "_learning_rate", None)
+    slots = [v for v in own.variables if v is not own.iterations and v is not own_rate]
+    trained_slots = [v for v in trained.variables if v is not trained.iterations and v is not trained_rate]
+    if [tuple(v.shape) for v in slots] != [tuple(v.shape) for v in trained_slots]:
+        log.warning(
+            "model.optimizer: its %d slot variables do not match the %d trained ones (a different optimizer or set of "
+            "trainable variables); the weights are trained, the optimizer state is not copied back",
+            len(slots),
+            len(trained_slots),
+        )
+        return
+    own.iterations.assign(trained.iterations.numpy())
+    for mine, theirs in zip(slots, trained_slots):
+        mine.assign(theirs.numpy())
+    if not isinstance(own_rate, keras.optimizers.schedules.LearningRateSchedule):
+        own.learning_rate = learning_rate
 
 
 class _Stateful:
