@@ -182,7 +182,7 @@ def _main(argv: list[str]) -> int:
         master_addr=sm.hosts[0],
         master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
         fit_args=fit_args,
-        hosts=sm.hosts,
+        hosts=sm.hosts if len(sm.hosts) > 1 else None,  # one host: its tasks on 127.0.0.1 (its name may not resolve)
         num_ps=args.num_ps if launcher.starts_parameter_servers else 0,
     )
     if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.num_ps:

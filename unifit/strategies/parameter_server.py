@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -93,6 +95,7 @@ class ParameterServerStrategy(TFDistributeStrategy):
                 f"with 'worker' and 'ps' tasks; received {os.environ.get('TF_CONFIG')!r}); start it with: unifit "
                 "launch --nproc-per-node N --num-ps K -c exp.yaml --trainer.strategy parameter-server"
             )
+        wait_for_cluster(spec, self.collective_timeout_s)  # TensorFlow's connect waits forever, deaf to SIGINT
         shards, min_bytes = self.options.max_shards, self.options.min_shard_bytes
         partitioner = (
             tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=min_bytes, max_shards=shards)
@@ -191,6 +194,33 @@ class ParameterServerStrategy(TFDistributeStrategy):
     # ---- collectives: the coordinator is the only process of unifit's loop --------------------
     def _all_reduce(self, values: np.ndarray, op: str) -> np.ndarray:
         return values
+
+
+def wait_for_cluster(spec: dict[str, list[str]], timeout_s: float) -> None:
+    """Every parameter server and worker accepting connections, or a DistributedError naming those that did not
+    within `timeout_s` (a host name that does not resolve, a port nobody listens on). TensorFlow's own connect
+    retries forever inside C++, where neither a timeout nor SIGINT reaches it."""
+    waiting = {f"{kind} {i} at {address}": address for kind in ("ps", "worker") for i, address in enumerate(spec[kind])}
+    why: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        for task, address in list(waiting.items()):
+            host, _, port = address.rpartition(":")
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+                del waiting[task]
+            except socket.gaierror as exc:
+                why[task] = f"{host} does not resolve: {exc.strerror}"
+            except OSError as exc:
+                why[task] = exc.strerror or type(exc).__name__
+        if waiting and time.monotonic() >= deadline:
+            raise DistributedError(
+                f"parameter-server: waited {timeout_s:g} s for {', '.join(f'{t} ({why[t]})' for t in waiting)}; "
+                "start every task of TF_CONFIG's cluster and check that this host reaches their addresses "
+                "(trainer.collective_timeout_s sets the wait)"
+            )
+        if waiting:
+            time.sleep(0.5)
 
 
 def _sharded(variable: Any) -> Any:
