@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import unifit
+from examples.digits.torch_module import DigitsClassifier
 
 
 class Block(torch.nn.Module):
@@ -37,28 +38,14 @@ class ResidualMLP(torch.nn.Module):
         return self.head(self.norm(x))
 
 
-class DigitsMLP(unifit.TrainModule):
-    """width 128, depth 4, expansion 4: about 0.54 M parameters (4 blocks of 2 x 128 x 512 weights)."""
+class DigitsMLP(DigitsClassifier):
+    """width 128, depth 4, expansion 4: about 0.54 M parameters (4 blocks of 2 x 128 x 512 weights). The steps are
+    DigitsClassifier's; the network and the optimizer are its own."""
 
     def __init__(self, width: int = 128, depth: int = 4, expansion: int = 4, lr: float = 0.002) -> None:
-        super().__init__()
+        unifit.TrainModule.__init__(self)
         self.net = ResidualMLP(width, depth, expansion)  # the network the steps call: what the strategy splits
         self.lr = lr
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("train/acc", (logits.argmax(1) == y).float().mean())
-        return F.cross_entropy(logits, y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        self.log("val/loss", F.cross_entropy(logits, y))
-        self.log("val/acc", (logits.argmax(1) == y).float().mean())
 
     def configure_optimizers(self):  # the base lr; lr_scaling multiplies it by the data-parallel replicas
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
