@@ -622,6 +622,10 @@ def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
     assert ends[0] == ends[1] and ends[0]["step"] == 8 and ends[0]["epoch"] == 2, ends
     assert ends[0]["steps_at_epoch_end"] == [3, 8], ends
     assert ends[0]["thread_done"] == [True], ends  # written at exit, after the thread Python waits for
+    # the script's own writes after fit, run by both ranks, happen once
+    assert (tmp_path / "saved_once.txt").read_text() == "0/2\n"
+    assert [(tmp_path / f"rank_zero_only{r}.txt").read_text() for r in (0, 1)] == ["'saved'", "None"]
+    assert (tmp_path / "model.pt").is_file()
 
 
 def _writers_output(out) -> tuple[dict[int, torch.Tensor], list[int]]:

@@ -23,6 +23,7 @@ _LAZY = {
     "TrainState": "unifit.loop.state",
     "UnifitError": "unifit.errors",
     "ConfigError": "unifit.errors",
+    "rank_zero_only": "unifit.strategies.environment",
 }
 
 __all__ = [*_LAZY, "__version__"]

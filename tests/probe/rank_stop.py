@@ -1,7 +1,8 @@
 """One rank's own code asks to stop (a LightningModule sets trainer.should_stop on rank 1 only, as code reacting to
 its own batch does): every rank must stop at the same agreed step, none left waiting for the others. Before that,
 rank 0 alone returns -1 from on_train_batch_start at the first epoch's 4th batch: every rank ends that epoch there.
-Lightning's EMAWeightAveraging runs along: every rank ends with the same averaged model.
+Lightning's EMAWeightAveraging runs along: every rank ends with the same averaged model. After fit, the script's
+own writes run once: through unifit.rank_zero_only and `if trainer.is_global_zero`.
 
 How a launched rank ends rides along too: the results are written by an atexit handler from a thread Python
 waits for, and an object left on `sys` aborts the process if the interpreter is finalized (where gloo's threads
@@ -61,13 +62,24 @@ if __name__ == "__main__":
     module = StopsOnOneRank()
     trained = module.layer.weight.detach().clone()
     averaging = EMAWeightAveraging(decay=0.5)
-    state = unifit.Trainer(
+    trainer = unifit.Trainer(
         max_epochs=3,
         root_dir=str(out / "run"),
         progress_bar=False,
         preemption={"check_every_n_steps": 4},
         callbacks=[averaging],
-    ).fit(module)
+    )
+    state = trainer.fit(module)
+
+    @unifit.rank_zero_only
+    def save_once(path: Path) -> str:  # a script's own write after fit, which every rank runs
+        with path.open("a") as f:
+            f.write(f"{trainer.global_rank}/{trainer.world_size}\n")
+        return "saved"
+
+    (out / f"rank_zero_only{trainer.global_rank}.txt").write_text(repr(save_once(out / "saved_once.txt")))
+    if trainer.is_global_zero:
+        torch.save(module.state_dict(), out / "model.pt")
     average = averaging._average_model.module.layer.weight
     rank = int(os.environ.get("RANK", "0"))
     ends = {

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping, TypeVar
+
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -403,3 +406,14 @@ def slurm_port(job_id: str, step_id: str = "") -> int:
     if not job_id:
         return 29500
     return 10000 + zlib.crc32(f"{job_id}.{step_id}".encode()) % 20000
+
+
+def rank_zero_only(fn: Callable[..., _R]) -> Callable[..., _R | None]:
+    """`fn` runs on the job's global rank 0 only; the other ranks get None (Lightning's rank_zero_only). For a
+    script's own work after fit, which every launched rank runs: saving a model, reading metrics.csv, printing."""
+
+    @functools.wraps(fn)
+    def on_rank_zero(*args: Any, **kwargs: Any) -> _R | None:
+        return fn(*args, **kwargs) if detect().rank == 0 else None
+
+    return on_rank_zero

@@ -96,6 +96,21 @@ class Trainer:
         self._run: _Run | None = None
         self._loggers: list[Any] = []  # the last fit's, which validate/test after it log to
 
+    # ---- rank facts, Lightning's names: a script's code after fit runs on every launched rank ----------
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the job (0 in one process)."""
+        return environment.detect().rank
+
+    @property
+    def world_size(self) -> int:
+        return environment.detect().world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is the job's rank 0: `if trainer.is_global_zero: model.save(...)` saves once."""
+        return self.global_rank == 0
+
     # ---- public API ---------------------------------------------------------------------------
     def fit(
         self,
