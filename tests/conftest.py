@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import uuid
 
 import pytest
@@ -66,6 +68,32 @@ def reference_run(tmp_path_factory):
         return roots[case.id]
 
     return run
+
+
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TF_CONFIG",
+    "HOROVOD_RANK",
+    "HOROVOD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "PET_NPROC_PER_NODE",
+    "KUBERNETES_SERVICE_HOST",
+)
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    """No launcher or cluster variable inherited from whatever runs the tests."""
+    for name in [*LAUNCHER_VARIABLES, *(n for n in os.environ if n.startswith(("SLURM_", "PET_")))]:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -166,18 +194,240 @@ def cli(capsys, monkeypatch):
 
 
 _seconds_per_file: dict[str, float] = {}
+_passed: set[str] = set()
+_refused_in_call: set[str] = set()  # tests whose setup or call already failed with the launch guard's line
 
 
 def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" and report.passed:
+        _passed.add(report.nodeid)
+    if report.when in ("setup", "call") and report.failed and "starts a process: mark it" in str(report.longrepr):
+        _refused_in_call.add(report.nodeid)
     _seconds_per_file[report.nodeid.split("::", 1)[0]] = (
         _seconds_per_file.get(report.nodeid.split("::", 1)[0], 0.0) + report.duration
     )
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The files that cost the most (setup, call and teardown together): where the CI budget goes."""
+    """The files that cost the most (setup, call and teardown together): where the CI budget goes; and
+    the tests marked `launch` that passed without starting a process (nor using a fixture that did)."""
+    idle = sorted(n for n, started in _launch_marked_started.items() if not started and n in _passed)
+    if idle:
+        terminalreporter.section("marked launch, started nothing (the in-process tier could run them)")
+        for nodeid in idle:
+            terminalreporter.write_line(nodeid)
     if len(_seconds_per_file) < 2:
         return
     terminalreporter.section("slowest files")
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+
+
+# --- the tiers: `launch` must be true ------------------------------------------------------------------
+
+_LAUNCHER = re.compile(
+    r"^(python[0-9.]*|pypy[0-9.]*|unifit|torchrun|horovodrun|mpirun|mpiexec|orterun|prterun|mkdocs)$"
+)
+# helper processes a library starts for itself, inside a test that is about something else
+_LIBRARY_HELPERS = ("torch._inductor", "/torchinductor_")  # its compile workers, its ISA check (python -c)
+_launch_state: dict = {"item": None, "refuse": False, "seen": [], "starts": 0}
+_launch_marked_started: dict[str, bool] = {}
+_launching_fixtures: set[str] = {"reference_run"}  # fixtures that start one (reference_run: at its first call)
+
+
+def _launcher_in(argv) -> str | None:
+    """The command line, when it starts a Python interpreter or a launcher (python, unifit, torchrun,
+    horovodrun, mpirun, mkdocs, a console script): its program, or one its arguments name as a word of
+    its own (ip netns exec ..., env ..., tmux ... bash -c '...'); flags (-I/usr/include/python3.11 of a
+    compiler) are not programs."""
+    words = [os.fsdecode(a) for a in (argv or ())]
+    if any(helper in word for word in words for helper in _LIBRARY_HELPERS):
+        return None
+    tokens = words[:1] + [t.strip("'\"") for w in words[1:] for t in w.split()]
+    for token in tokens:
+        if token.startswith("-"):
+            continue
+        if token == sys.executable or _LAUNCHER.match(os.path.basename(token)) or _python_script(token):
+            return " ".join(" ".join(words).split())[:160]  # one line
+    return None
+
+
+def _python_script(token: str) -> bool:
+    """A console script (mlflow, lint-imports, sagemaker's train ...): an executable starting '#!...python'."""
+    if not (token.startswith("/") and os.path.isfile(token) and os.access(token, os.X_OK)):
+        return False
+    try:
+        with open(token, "rb") as f:
+            first = f.readline(200)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
+def _check_start(argv) -> None:
+    command = _launcher_in(argv)
+    item = _launch_state["item"]
+    if command is None or item is None:
+        return
+    _launch_marked_started[item.nodeid] = True
+    _launch_state["starts"] += 1
+    if _launch_state["refuse"]:
+        message = f"starts a process: mark it @pytest.mark.launch ({command})"
+        _launch_state["seen"].append(message)
+        pytest.fail(message, pytrace=False)
+
+
+def _install_launch_guard() -> None:
+    """Every way this process starts a program goes through one of these three: subprocess's fork_exec
+    (Popen), _posixsubprocess.fork_exec (multiprocessing's spawn and forkserver) and os.posix_spawn."""
+    import _posixsubprocess
+    import subprocess
+
+    def guarded(real, argv_at: int):
+        def start(*args, **kwargs):
+            _check_start(args[argv_at])
+            return real(*args, **kwargs)
+
+        start.__wrapped__ = real
+        return start
+
+    subprocess._fork_exec = guarded(subprocess._fork_exec, 0)  # (args, executable_list, ...)
+    _posixsubprocess.fork_exec = guarded(_posixsubprocess.fork_exec, 0)
+    os.posix_spawn = guarded(os.posix_spawn, 1)  # (path, argv, env, ...)
+    if hasattr(os, "posix_spawnp"):
+        os.posix_spawnp = guarded(os.posix_spawnp, 1)
+
+
+def pytest_configure(config) -> None:
+    _install_launch_guard()
+
+
+def _launch_guard_from(item) -> None:
+    """From before the first fixture of the test (a module's or session's too) to after its last."""
+    launch = item.get_closest_marker("launch") is not None
+    _launch_state.update(item=item, refuse=not launch, seen=[])
+    if launch:
+        _launch_marked_started.setdefault(item.nodeid, False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = _launch_state["starts"]
+    try:
+        return (yield)
+    finally:
+        if _launch_state["starts"] != before:
+            _launching_fixtures.add(fixturedef.argname)
+
+
+def _launch_guard_to(item) -> None:
+    if item.nodeid in _launch_marked_started and _launching_fixtures.intersection(getattr(item, "fixturenames", ())):
+        _launch_marked_started[item.nodeid] = True
+    _launch_state.update(item=None, refuse=False)
+
+
+@pytest.fixture(autouse=True)
+def _launch_marker_is_true(request):
+    """A test not marked `launch` fails, in one line, the moment it starts a Python interpreter or a
+    launcher: `python`, `unifit`, `torchrun`, `horovodrun`, `mpirun`/`mpiexec`, `mkdocs` (run directly
+    or through `ip netns exec`, `bash -c` ...; also multiprocessing's spawn, a fresh interpreter). So
+    `pytest -m "not launch"` is truly the in-process tier, and cannot drift.
+
+    What does not count: programs that are not an interpreter or launcher (a compiler torch.compile
+    calls, `git`, `ip`, `uname`), fork() without exec (a DataLoader's workers, multiprocessing's fork:
+    no interpreter start, no imports), threads (moto's S3 server runs in a thread), and helper
+    processes a library starts for itself (torch.compile's inductor: its compile workers, and the
+    `python -c` that checks a compiled vector-ISA library loads: _LIBRARY_HELPERS).
+    The guard is installed once (pytest_configure) and checked from the test's setup (so a module- or
+    session-scoped fixture it sets up is covered) to its teardown; a start refused in another thread,
+    or caught by the code under test, still fails the test here, at its teardown. Tests marked
+    `launch` that never start one are listed at the end of the run ("marked launch, started nothing").
+    """
+    yield
+    seen = _launch_state["seen"]
+    if seen and request.node.nodeid not in _refused_in_call:  # caught by the code, or in another thread
+        pytest.fail(seen[0], pytrace=False)
+
+
+# --- timeouts: a test's own limit fails that test alone -----------------------------------------------
+#
+# The limits, innermost first: every wait on a process a test started has its own timeout
+# (helpers.stop: the whole process group is killed, the test fails naming the command, with its
+# output); pytest-timeout's limit (a test's @pytest.mark.timeout, else `timeout` in pyproject) is a
+# backstop above them (UNIFIT_TEST_TIMEOUT_SCALE=2 doubles every backstop, for a machine slower still).
+#
+# The backstop is pytest-timeout's `signal` method, with its timer run here (its two hooks below):
+# pytest-timeout arms one SIGALRM for the whole test protocol (setup, call, teardown *and* the making
+# and logging of their reports, as timeout_func_only is false), and its handler raises Failed wherever
+# the main thread is. A test that failed near its limit (a launch's own timeout, with a long output to
+# format) had the alarm land in pytest_runtest_makereport, outside any test phase: pytest stopped with
+# INTERNALERROR, exit 3, and every later test was lost. Here the alarm raises only inside a phase
+# (setup, call or teardown: pytest records it as that phase's failure, the run goes on); landing
+# anywhere else (pytest making or printing a report, between phases) it waits and looks again every
+# second. The `thread` method is no answer: it ends the whole pytest process (os._exit).
+
+TIMEOUT_SCALE = float(os.environ.get("UNIFIT_TEST_TIMEOUT_SCALE", "1"))
+_phase: dict = {"item": None}
+PHASE_WAIT_LIMIT_S = 300  # pytest itself stuck that long outside any phase: a stack dump, then os._exit
+
+
+def _in_phase(item):
+    """The test's phase runs with the alarm allowed to fail it (see the timer below)."""
+    _phase["item"] = item
+    try:
+        return (yield)
+    finally:
+        _phase["item"] = None
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    _launch_guard_from(item)
+    return (yield from _in_phase(item))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item):
+    return (yield from _in_phase(item))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield from _in_phase(item))
+    finally:
+        _launch_guard_to(item)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    import signal
+    import threading
+    import time
+
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own
+    import pytest_timeout
+
+    limit = settings.timeout * TIMEOUT_SCALE
+    settings = settings._replace(timeout=limit)
+    deadline = time.monotonic() + limit
+
+    def handler(signum, frame):
+        __tracebackhide__ = True
+        if _phase["item"] is item:
+            pytest_timeout.timeout_sigalrm(item, settings)  # dumps the stacks, raises Failed: Timeout
+            return  # a debugger is attached
+        if time.monotonic() - deadline > PHASE_WAIT_LIMIT_S:
+            pytest_timeout.timeout_timer(item, settings)  # dumps the stacks, os._exit(1)
+        signal.setitimer(signal.ITIMER_REAL, 1.0)  # not inside a phase of this test: look again soon
+
+    previous = signal.signal(signal.SIGALRM, handler)
+
+    def cancel():
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+    item.cancel_timeout = cancel
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    return True

@@ -162,7 +162,10 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
+            out, err = "(not read: a process outside its group kept the pipes open)", ""
         raise AssertionError(
             f"{' '.join(map(str, proc.args))} timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}"
         )
@@ -171,6 +174,26 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[subprocess.CompletedProcess]:
+    """`python -m unifit ARGS` once per (ARGS, env), all at once (the ranks of one job); every process group is
+    killed in the end, whatever happens."""
+    procs = []
+    try:
+        for args, env in commands:
+            procs.append(start_unifit(*args, env=env))
+        results = []
+        for proc in procs:
+            out, err = stop(proc, timeout=timeout)  # kills the process's group when it is done or late
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return results
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def reports(root: Path) -> list[dict]:

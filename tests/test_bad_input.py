@@ -41,6 +41,7 @@ trainer:
 END_TO_END = ["--trainer.strategy", "nope"]  # the case run by a real `python -m unifit`
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "override, needles",
@@ -77,6 +78,7 @@ def test_bad_config_gives_one_line_and_exit_2(tmp_path, cli, override, needles):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_missing_config_file_and_invalid_yaml(tmp_path, cli):
     # a missing file in a real process, end to end
@@ -92,6 +94,7 @@ def test_missing_config_file_and_invalid_yaml(tmp_path, cli):
     _one_line_error(cli("fit", "-c", str(no_module)), "'module' is required")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
 def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, strategy):
@@ -102,6 +105,7 @@ def test_resume_without_checkpoint_fails_on_every_rank(tmp_path, strategy):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_single_strategy_refuses_many_processes(tmp_path):
     """A refused launch, in a real process end to end."""

@@ -203,7 +203,13 @@ def test_a_gan_stepping_its_optimizers_itself_is_tuned_and_then_trains_as_a_fres
         unifit.Trainer(root_dir=str(root), callbacks=callbacks, **options).fit(module, datamodule=data)
         return module, data
 
+    torch.manual_seed(0)
+    initial = _weights(GAN())  # what run() starts both fits from
     (tuned, data), (fresh, _) = run(tmp_path / "tuned", 8, True), run(tmp_path / "fresh", 96, False)
     assert data.batch_size == 96
     for key, value in _weights(fresh).items():
         assert torch.equal(tuned.state_dict()[key], value), key
+        # both trained (two untrained fits are equal too): the generator steps every batch; the discriminator
+        # steps every 2nd batch of an epoch, so never in the one batch of 96 (it must not have stepped either)
+        moved = not torch.allclose(value, initial[key], rtol=0, atol=1e-6)
+        assert moved == key.startswith("generator."), key

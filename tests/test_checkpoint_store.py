@@ -77,6 +77,7 @@ def test_missing_pointer_is_a_clear_error(tmp_path):
         CheckpointStore(str(tmp_path / "nothing")).resolve("best")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_process_killed_mid_save_leaves_no_committed_partial_checkpoint(tmp_path):
     script = textwrap.dedent(f"""

@@ -8,14 +8,12 @@ another's allocation, the SLURM list parsers, bad input; and real processes star
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 
 import pytest
 
-from tests.helpers import KERAS_PROBE_YAML, PROBE_YAML, assert_ok, reports, run_unifit, start_unifit, stop
+from tests.helpers import KERAS_PROBE_YAML, PROBE_YAML, assert_ok, reports, run_together, run_unifit
 from unifit.errors import ConfigError
 from unifit.strategies import environment
 from unifit.strategies.environment import detect, expand_nodelist, parse_tasks_per_node, slurm_port
@@ -177,6 +175,7 @@ def test_torchrun_inside_a_slurm_task_wins():
     assert facts(env) == (3, 4, 1, 2, 1, "torchrun") and env.master_addr == "head"
 
 
+@pytest.mark.tf
 def test_horovodrun_mpirun_and_tf_config_inside_a_slurm_allocation_win():
     slurm = srun_env(0, ntasks=1, per_node=1)
     hvd = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"}
@@ -302,49 +301,9 @@ def fit_args(root) -> list[str]:
     ]
 
 
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TF_CONFIG",
-    "HOROVOD_RANK",
-    "HOROVOD_SIZE",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "PET_NPROC_PER_NODE",
-    "KUBERNETES_SERVICE_HOST",
-)
-
-
-@pytest.fixture
-def clean_environment(monkeypatch):
-    """No launcher or cluster variable inherited from whatever runs the tests."""
-    for name in [*LAUNCHER_VARIABLES, *(n for n in os.environ if n.startswith(("SLURM_", "PET_")))]:
-        monkeypatch.delenv(name, raising=False)
-
-
 def run_ranks(envs: list[dict[str, str]], root, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """One `unifit fit` per environment, all at once; every process group is killed in the end, whatever happens."""
-    procs = []
-    try:
-        for env in envs:
-            procs.append(start_unifit(*fit_args(root), env=env))
-        results = []
-        for proc in procs:
-            out, err = stop(proc, timeout=timeout)  # kills the process's group when it is done or late
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        return results
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    """One `unifit fit` per environment, all at once."""
+    return run_together([(fit_args(root), env) for env in envs], timeout)
 
 
 def assert_one_world_trained(results, root, world: int) -> None:
@@ -365,6 +324,7 @@ def slurm_job_with_free_port() -> str:
     raise AssertionError("no free port among the derived ones")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(150)
 def test_two_srun_tasks_form_one_world_and_train(tmp_path, clean_environment):
     job = slurm_job_with_free_port()
@@ -375,6 +335,7 @@ def test_two_srun_tasks_form_one_world_and_train(tmp_path, clean_environment):
     assert_one_world_trained(results, tmp_path, 2)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(150)
 def test_two_pytorchjob_pods_form_one_world_and_train(tmp_path, clean_environment):
     port = str(free_port())
@@ -389,6 +350,7 @@ def test_detect_reads_the_process_environment(monkeypatch, clean_environment):
     assert facts(environment.detect()) == (1, 2, 1, 2, 0, "slurm")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(150)
 def test_unifit_launch_in_one_srun_task_per_node_starts_torchrun_ranks(tmp_path, clean_environment):
     # `srun --ntasks-per-node 1 unifit launch --nproc-per-node 2`: the ranks inherit SLURM_PROCID=0,
@@ -407,6 +369,8 @@ def test_bad_slurm_variable_ends_fit_with_one_line_and_exit_2(tmp_path, clean_en
     assert len(lines) == 1 and "'two'" in lines[0], result.stderr
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("strategy, yaml", [("horovod", PROBE_YAML), ("mwms", KERAS_PROBE_YAML)])
 def test_srun_fit_of_a_strategy_that_needs_its_launcher_is_refused(tmp_path, clean_environment, strategy, yaml):

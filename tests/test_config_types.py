@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import unifit
-from tests.helpers import assert_ok, run_unifit
+from tests.helpers import assert_ok
 from unifit.config import init_args
 from unifit.config.loading import check_classes, parse_yaml, validate_experiment
 from unifit.errors import ConfigError
@@ -86,8 +86,8 @@ def _experiment(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(120)
-def test_fit_builds_nested_class_path_and_reads_a_string_float(tmp_path):
-    result = run_unifit("fit", "-c", str(_experiment(tmp_path)), timeout=120)
+def test_fit_builds_nested_class_path_and_reads_a_string_float(tmp_path, cli):
+    result = cli("fit", "-c", str(_experiment(tmp_path)))
     assert_ok(result)
     assert json.loads((tmp_path / "report.json").read_text()) == {"backbone": "Linear", "lr": 0.001}
 

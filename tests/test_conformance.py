@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers import StrategyCase, metrics_lines, reports, strategy_params
 
+pytestmark = pytest.mark.launch
+
 N_TRAIN, N_VAL = 64, 37
 
 

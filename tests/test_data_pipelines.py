@@ -62,6 +62,7 @@ def test_a_stream_without_length_needs_limit_train_batches():
         _epoch(Numbers(23, with_len=False), 0, train=True, limit=4)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(180)
 def test_streams_train_and_validate_under_ddp_with_loader_workers(tmp_path):
     result = launch_probe(

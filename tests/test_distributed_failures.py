@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import STRATEGY_PROCS, launch_probe
 
+pytestmark = pytest.mark.launch
+
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("strategy", ["ddp", "horovod"])
@@ -96,6 +98,7 @@ def test_save_checkpoint_on_one_rank_fails_instead_of_hanging(tmp_path, strategy
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("strategy", ["ddp", "smddp-like", "fsdp", "horovod", "mwms"])
 def test_kill_9_of_one_rank_ends_every_process_and_names_it(tmp_path, strategy):
@@ -115,5 +118,7 @@ def test_kill_9_of_one_rank_ends_every_process_and_names_it(tmp_path, strategy):
         line for line in result.stderr.splitlines() if line.startswith(f"unifit: rank {rank} died (killed by SIGKILL)")
     ]
     assert len(named) == 1, result.stderr[-3000:]
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(
+        ["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True, timeout=30
+    ).stdout.split()
     assert not left, f"processes of the job still running: {left}"

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.launch  # mkdocs builds in a process of its own
+
 REPO = Path(__file__).resolve().parents[1]
 
 

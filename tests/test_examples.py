@@ -15,10 +15,8 @@ operator's variables; gloo on CPU).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import signal
 import subprocess
 from pathlib import Path
 
@@ -26,9 +24,8 @@ import pytest
 import yaml
 
 from tests.examples_support.weights import read_reports
-from tests.helpers import REPO, assert_ok, metrics_lines, run_unifit, start_unifit, stop
+from tests.helpers import REPO, assert_ok, metrics_lines, run_together, run_unifit
 from tests.test_cluster_environments import (
-    LAUNCHER_VARIABLES,
     free_port,
     pytorchjob_env,
     slurm_job_with_free_port,
@@ -251,32 +248,6 @@ def test_parameter_server_example_resolves_and_is_the_launched_keras_digits(cli)
 # ---- clusters: the SLURM batch script and the Kubernetes manifest, through the environment emulation -----------
 
 
-@pytest.fixture
-def no_launcher_environment(monkeypatch):
-    """No launcher or cluster variable inherited from whatever runs the tests."""
-    for name in [*LAUNCHER_VARIABLES, *(n for n in os.environ if n.startswith(("SLURM_", "PET_")))]:
-        monkeypatch.delenv(name, raising=False)
-
-
-def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[subprocess.CompletedProcess]:
-    """`python -m unifit ARGS` once per (ARGS, env), all at once; every process group killed in the end."""
-    procs = []
-    try:
-        for args, env in commands:
-            procs.append(start_unifit(*args, env=env))
-        results = []
-        for proc in procs:
-            out, err = stop(proc, timeout=timeout)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-        return results
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def parse_sbatch(path: Path) -> tuple[dict[str, str], list[list[str]]]:
     """The #SBATCH options ({'nodes': '1', 'requeue': ''}) and the script's commands, each as its words."""
     options: dict[str, str] = {}
@@ -295,7 +266,7 @@ def parse_sbatch(path: Path) -> tuple[dict[str, str], list[list[str]]]:
 
 @pytest.mark.launch
 @pytest.mark.timeout(240)
-def test_slurm_batch_script_trains_as_srun_tasks(tmp_path, no_launcher_environment):
+def test_slurm_batch_script_trains_as_srun_tasks(tmp_path, clean_environment):
     """The script's srun line, run once per task with the variables srun sets (block distribution on one
     node, the world its #SBATCH lines ask for); the rendezvous is the one unifit derives from the job id."""
     options, commands = parse_sbatch(REPO / "examples/clusters/slurm.sbatch")
@@ -323,7 +294,7 @@ def test_slurm_batch_script_trains_as_srun_tasks(tmp_path, no_launcher_environme
 
 @pytest.mark.launch
 @pytest.mark.timeout(240)
-def test_kubernetes_pytorchjob_trains_as_its_pods(tmp_path, no_launcher_environment):
+def test_kubernetes_pytorchjob_trains_as_its_pods(tmp_path, clean_environment):
     """Every pod of the manifest (Master, then the Workers) runs its container's command with its env and
     the variables the training operator sets (MASTER_ADDR/PORT, WORLD_SIZE, RANK, PET_*); the test runs from
     the repository root, as the container runs from its workingDir."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unifit
-from tests.helpers import PROBE_YAML, run_unifit
+from tests.helpers import PROBE_YAML
 from tests.probe.probe import ProbeModule
 from unifit.config.loading import apply_overrides, load_yaml
 from unifit.errors import ConfigError
@@ -116,8 +116,8 @@ def test_scientific_notation_is_a_float_in_files_and_overrides(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_digits_example_takes_an_lr_in_scientific_notation(tmp_path):
-    result = run_unifit(
+def test_digits_example_takes_an_lr_in_scientific_notation(tmp_path, cli):
+    result = cli(
         "fit",
         "-c",
         "examples/digits/torch.yaml",
@@ -202,6 +202,7 @@ def test_two_instances_of_one_callback_keep_their_own_state(tmp_path):
     assert (again.count, again2.count) == (3, 103)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_errors_that_are_not_the_users_input_keep_their_type_and_place(tmp_path):
     """A corrupted checkpoint is not a config mistake: exit 1 with the original error, one line per rank."""
@@ -223,6 +224,7 @@ def test_errors_that_are_not_the_users_input_keep_their_type_and_place(tmp_path)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_ckpt_path_auto_starts_fresh_then_continues_and_skips_a_corrupted_newest(tmp_path):
     from tests.helpers import launch_probe, metrics_lines

@@ -48,6 +48,7 @@ def _launch(strategy: str, root: Path, procs: int, *overrides: str, ckpt: str | 
     return result
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_each_rank_holds_a_quarter_of_the_state_and_the_export_is_whole(tmp_path):
     root = tmp_path / "run"
@@ -70,6 +71,7 @@ def test_each_rank_holds_a_quarter_of_the_state_and_the_export_is_whole(tmp_path
     assert sorted(p.name for p in (saved / "shards").iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_sharded_checkpoint_resumes_on_another_world_size_and_under_ddp_and_back(tmp_path):
     """2 fsdp ranks save; 4 fsdp ranks (DCP reshards) and 4 ddp ranks (read whole) resume it and
@@ -103,6 +105,7 @@ def test_sharded_checkpoint_resumes_on_another_world_size_and_under_ddp_and_back
         assert curves["to_fsdp"][key] == pytest.approx(curves["to_ddp"][key], rel=1e-5), key
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_accumulated_clipped_warmed_up_steps_equal_ddp_and_bf16_trains(tmp_path):
     """Clipping bites at 0.05 (the sharded norm must be the whole gradient's), accumulation skips the
@@ -120,6 +123,7 @@ def test_accumulated_clipped_warmed_up_steps_equal_ddp_and_bf16_trains(tmp_path)
     assert [m["train/loss"] for m in bf16] == pytest.approx([m["train/loss"] for m in curves["ddp"]], rel=0.05)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_tied_weights_are_sharded_as_one_group_and_resume(tmp_path):
     """An output layer sharing the embedding's weight (GPT-2's tie): the two units are one FSDP group
@@ -177,6 +181,7 @@ def test_bad_fsdp_options_are_one_line(tmp_path, settings, message):
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_hybrid_sharding_on_one_node_is_one_line_from_every_rank(tmp_path):
     result = launch_probe(

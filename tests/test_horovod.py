@@ -20,6 +20,8 @@ from unifit.strategies.launchers.base import LaunchSpec
 from unifit.strategies.launchers.horovodrun import HorovodrunLauncher
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("example", ["torch", "keras"])
 def test_digits_examples_reach_95_percent_under_horovod(tmp_path, example):
@@ -47,6 +49,7 @@ def test_digits_examples_reach_95_percent_under_horovod(tmp_path, example):
     assert last["lr"] == pytest.approx(2 * base_lr, rel=1e-6)  # linear scaling by the 2 workers
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_hand_written_horovodrun_command_works(tmp_path):
     """`horovodrun -np 2 python -m unifit fit -c exp.yaml`, as the Horovod guides write it."""
@@ -91,6 +94,7 @@ def test_hand_written_horovodrun_command_works(tmp_path):
     assert got[0]["weights_sha256"] == got[1]["weights_sha256"]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_without_a_launcher_runs_a_world_of_one_and_says_so_once(tmp_path):
     result = run_unifit(
@@ -113,6 +117,7 @@ def test_without_a_launcher_runs_a_world_of_one_and_says_so_once(tmp_path):
 # a NaN on one rank and save_checkpoint on one rank: test_distributed_failures.py, for ddp and horovod
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "hidden, expected",

@@ -16,6 +16,8 @@ import pytest
 
 from tests.helpers import REPO, StrategyCase, assert_ok, run_unifit, strategy_params
 
+pytestmark = pytest.mark.launch
+
 YAML = REPO / "tests" / "probe" / "host_sync.yaml"
 # float16's loss scaling reads the overflow flag once per step inside torch itself
 # (GradScaler.step: `if not sum(v.item() for v in found_inf...)`), as in every torch loop that uses it

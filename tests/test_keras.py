@@ -10,9 +10,12 @@ import pytest
 
 from tests.helpers import assert_ok, launch_probe, metrics_lines, run_unifit
 
+pytestmark = pytest.mark.tf
+
 KERAS_DIGITS = "examples/digits/keras.yaml"
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, procs, options", [("mirrored", 1, "{devices: 2}"), ("mwms", 2, "{}")])
 def test_keras_digits_reach_95_percent(tmp_path, strategy, procs, options):
@@ -36,6 +39,7 @@ def test_keras_digits_reach_95_percent(tmp_path, strategy, procs, options):
     assert last["lr"] == pytest.approx(0.1)  # base 0.05 x 2 replicas
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_mwms_non_chief_checkpoint_copies_are_removed(tmp_path):
     scratch = tmp_path / "tmp"
@@ -123,6 +127,7 @@ def test_malformed_tf_config(tmp_path, cli):
     )
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(180)
 def test_unreachable_worker_fails_instead_of_hanging(tmp_path):
     """A user-provided TF_CONFIG naming a second worker that never starts."""

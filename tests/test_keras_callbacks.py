@@ -17,6 +17,8 @@ tf = pytest.importorskip("tensorflow")
 import unifit  # noqa: E402
 from unifit.errors import ConfigError  # noqa: E402
 
+pytestmark = pytest.mark.tf
+
 BATCH = 16
 QUIET = {"progress_bar": False, "lr_scaling": "none", "tensorboard": {"enabled": False}}
 
@@ -258,6 +260,7 @@ def test_what_cannot_be_honoured_is_one_line(tmp_path):
     refused("so no epoch would train", initial_epoch=3)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(240)
 def test_a_trainer_made_after_tensorflow_started_is_one_line_under_mwms(tmp_path):
     from tests.helpers import run_unifit

@@ -14,6 +14,8 @@ import pytest
 from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, reports, run_unifit, strategy_name
 from tests.probe.keras_compiled_probe import N_TRAIN, N_VAL, arrays, compiled_model
 
+pytestmark = pytest.mark.tf
+
 EPOCHS = 3
 
 
@@ -140,6 +142,7 @@ LAZY = {
 DIRECT = {"class_path": FACTORY, "init_args": {"form": "objects"}}
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "variant, module",

@@ -18,6 +18,8 @@ from tests.helpers import assert_ok, launch_probe, reports
 from tests.probe.keras_probe import KerasProbe
 from unifit.frameworks.keras.engine import split_evenly, step_sizes
 
+pytestmark = pytest.mark.tf
+
 # mwms: after the first epoch (warm-up: pools and the collective executors start), a healthy run
 # keeps the same number of OS threads to the thread; before the fix every step left ~4.5 behind
 THREAD_SLACK = 2
@@ -121,12 +123,14 @@ def test_step_sizes_cover_every_sample_and_every_replica():
     assert step_sizes(257, 2, 256, 2) == [255, 2] and split_evenly(2, 2) == [1, 1]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.launch
+@pytest.mark.soak
+@pytest.mark.timeout(360)  # above the launch's own 300 s, itself room for a loaded machine (load ~10 on 2 cores)
 def test_mirrored_uneven_last_steps_give_every_replica_a_sample(tmp_path):
     """The reported case: 1347 samples, batch 128, 2 devices: the last step's 67 samples go 34 + 33,
     not 67 + an empty batch. Validation 257: not 256, then 1 (one replica empty), but 255, then 1 + 1."""
     result = launch_probe(
-        "mirrored", tmp_path, *conv_probe_args(1347, 257, 128, 2), "--trainer.checkpoint.enabled", "false", timeout=100
+        "mirrored", tmp_path, *conv_probe_args(1347, 257, 128, 2), "--trainer.checkpoint.enabled", "false", timeout=300
     )
     assert_ok(result)
     (report,) = reports(tmp_path)
@@ -157,13 +161,15 @@ def mwms_run(tmp_path_factory) -> Path:
             "--trainer.tensorboard.log_every_n_steps",
             "50",
             callbacks=[counter],
-            timeout=150,
+            timeout=420,  # about 35 s on 2 idle cores: room for a loaded machine (load ~10 on 2 cores)
         )
     )
     return root
 
 
-@pytest.mark.timeout(180)  # the first test of the two also runs the fixture (about 35 s on 2 idle cores)
+@pytest.mark.launch
+@pytest.mark.soak
+@pytest.mark.timeout(480)  # the first test of the two also runs the fixture: above its launch's own 420 s
 def test_mwms_threads_stay_flat(mwms_run):
     steps_per_epoch = MWMS_TRAIN // 2 // MWMS_BATCH
     for rank in range(2):
@@ -174,7 +180,9 @@ def test_mwms_threads_stay_flat(mwms_run):
         assert max(later) - warm <= THREAD_SLACK, f"rank {rank}: threads grew from {warm}: {samples}"
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.launch
+@pytest.mark.soak
+@pytest.mark.timeout(480)
 def test_mwms_uneven_validation_gives_every_worker_a_sample_per_step(mwms_run):
     """33 validation samples over 2 workers (17 and 16): both take 5 steps, none gets an empty batch."""
     got = reports(mwms_run)

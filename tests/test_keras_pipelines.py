@@ -15,6 +15,8 @@ import unifit
 from tests.helpers import STRATEGY_OPTIONS, STRATEGY_PROCS, assert_ok, metrics_lines, run_unifit, strategy_name
 from unifit.errors import ConfigError
 
+pytestmark = pytest.mark.tf
+
 TRAIN_FILES, VAL_FILES = (7, 5, 4), (5, 4)  # records per file: uneven parts under 2 workers
 
 
@@ -225,6 +227,7 @@ def test_bad_pipelines_are_refused_in_one_line(tmp_path):
             assert needle in message, message
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant", ["mirrored", "mwms", "horovod-keras"])
 def test_pipelines_sharded_with_uneven_last_batches(tmp_path, variant):

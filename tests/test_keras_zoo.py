@@ -29,6 +29,8 @@ import pytest
 from tests.helpers import REPO, assert_ok, run_unifit
 from tests.zoo.recording import ZooResults
 
+pytestmark = [pytest.mark.launch, pytest.mark.tf]
+
 pytest.importorskip("tensorflow")
 
 DRIVER = "tests/zoo/run_keras_zoo.py"

@@ -203,6 +203,7 @@ trainer:
     return reports
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_lightnings_own_demo_module_and_datamodule_unchanged_from_yaml(tmp_path):
     reports = _launch_yaml(
@@ -220,6 +221,7 @@ data:
     assert reports[0]["metrics"]["train/loss"] > 0
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 # ddp and fsdp (a wrapped and a sharded module); the same LightningModules, hooks included, train under
 # smddp-like and horovod too in tests/test_zoo.py, to ddp's weights
@@ -245,6 +247,7 @@ module:
     assert {"train_mse", "val_mse"} <= set(reports[0]["metrics"])
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_stochastic_weight_averagings_batch_norm_epoch_under_ddp(tmp_path):
     """Lightning's SWA from YAML on 2 ddp ranks, on a model with BatchNorm: its forward-only epoch runs in step on

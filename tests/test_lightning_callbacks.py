@@ -605,6 +605,7 @@ def test_a_saved_config_with_mapped_callbacks_runs_again(tmp_path, cli):
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(240)
 def test_a_stop_one_rank_asks_for_stops_every_rank_at_an_agreed_step(tmp_path):
     import json
@@ -641,6 +642,7 @@ def _writers_output(out) -> tuple[dict[int, torch.Tensor], list[int]]:
     return by_index, batched
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_prediction_writers_write_each_ranks_predictions_by_dataset_index(tmp_path):
     from tests.helpers import assert_ok, run_unifit
@@ -678,6 +680,7 @@ def _pruned(root, epochs: int, ckpt_path: str | None = None, lottery: bool = Tru
     return module, trainer.fit(module, ckpt_path=ckpt_path).metrics
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_model_pruning_runs_as_lightning_resumes_with_its_masks_and_agrees_over_ranks(tmp_path):
     from tests.helpers import assert_ok, run_unifit

@@ -50,6 +50,7 @@ def cli_file(tmp_path_factory):
     return config
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_a_lightning_cli_file_trains_as_lightningcli_trains_it(cli_file, tmp_path):
     csv = {
@@ -73,6 +74,7 @@ def test_a_lightning_cli_file_trains_as_lightningcli_trains_it(cli_file, tmp_pat
     assert "strategy single, world size 1" in result.stdout + result.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_devices_under_unifit_launch_are_the_ranks(cli_file, tmp_path, cli):
     wrong = cli("fit", "-c", str(cli_file), "--trainer.devices", "2")

@@ -152,6 +152,7 @@ class TrackedRegressor(Regressor):
         self.loggers[1].experiment.summary["module_epoch"] = self.current_epoch  # the wandb run
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_the_same_runs(
     server, tmp_path, capfd, caplog
@@ -242,6 +243,7 @@ def test_mlflow_survives_an_outage_wandb_and_csv_agree_and_a_resume_continues_th
     assert [again_history[s] for s in range(18, 33, 2)] == pytest.approx([v for s, v in loss if s > 16], rel=1e-5)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_an_unreachable_server_or_an_unknown_logger_is_one_line_and_exit_2_before_training(tmp_path):
     dead = f"http://unifit:{SECRET}@127.0.0.1:{_free_port()}"
@@ -264,6 +266,8 @@ def test_an_unreachable_server_or_an_unknown_logger_is_one_line_and_exit_2_befor
         assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ddp", "horovod", "mwms"])
 def test_one_tracked_run_written_by_rank_0(server, tmp_path, strategy):
@@ -373,6 +377,8 @@ def test_a_unifit_module_logs_through_self_logger(tmp_path):
     assert [e.value for e in events.Scalars("epoch")] == [1, 2]
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(180)
 def test_a_compiled_keras_model_logs_to_the_same_loggers(server, tmp_path):
     pytest.importorskip("tensorflow", reason="TensorFlow is in unifit[tf]")
@@ -409,6 +415,7 @@ def test_online_wandb_without_a_login_is_one_line_before_training(tmp_path, monk
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "wandb").exists()
 
 
+@pytest.mark.launch
 def test_a_checkpoints_run_missing_on_the_server_is_a_warning_and_a_new_run(server, tmp_path, caplog):
     from unifit.loggers.base import RunInfo
     from unifit.loggers.mlflow import MLflowLogger
@@ -423,6 +430,7 @@ def test_a_checkpoints_run_missing_on_the_server_is_a_warning_and_a_new_run(serv
     assert _history(server.uri, logger.run_id, "loss") == [(9, 0.5)]
 
 
+@pytest.mark.launch
 def test_a_resumed_run_sends_again_only_what_differs_and_names_lose_what_mlflow_refuses(server, tmp_path):
     """After a resume, a point the run already has is sent again only with another value (resumed with other
     settings); a name MLflow refuses loses those characters instead of holding up every record after it."""

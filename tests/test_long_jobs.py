@@ -51,6 +51,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
     assert len({r["weights_sha256"] for r in reports(b)}) == 1
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", strategy_params())
 def test_preempted_mid_epoch_resumes_exactly(tmp_path, case, reference_run):
@@ -78,6 +79,7 @@ def _saved_progress(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "state.json").read_text())["trainer"]["progress"]  # Keras
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_sigterm_to_launch_is_forwarded_and_the_job_continues(tmp_path):
     slow = [{"class_path": "tests.probe.probe.SlowSteps", "init_args": {"seconds": 1.0}}]  # 4 batches per epoch
@@ -103,6 +105,7 @@ def test_sigterm_to_launch_is_forwarded_and_the_job_continues(tmp_path):
     assert [m["epoch"] for m in metrics_lines(run)] == [1, 2, 3]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(420)
 def test_max_restarts_continue_after_kill_9_of_one_rank(tmp_path, reference_run):
     full, part = reference_run("ddp"), tmp_path / "part"
@@ -131,6 +134,7 @@ def test_every_n_minutes_saves_mid_epoch(tmp_path):
     assert [s for s in steps if s % 32] == [10, 20, 30, 40, 50, 60, 70, 80, 90], steps
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("case", strategy_params("horovod", "mwms"))
 def test_max_restarts_refused_where_no_launcher_restarts(tmp_path, cli, case):
     result = cli(*probe_args(case, tmp_path), "--max-restarts", "2")
@@ -142,6 +146,7 @@ def test_max_restarts_refused_where_no_launcher_restarts(tmp_path, cli, case):
     assert "--max-restarts 2" in lines[0] and "--ckpt-path auto" in lines[0], result.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_mid_epoch_checkpoint_refuses_another_world_size(tmp_path):
     run = tmp_path / "run"

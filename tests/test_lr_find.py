@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import assert_ok, launch_probe, metrics_lines, reports, strategy_params
 
+pytestmark = pytest.mark.launch
+
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", strategy_params("ddp", "fsdp"))

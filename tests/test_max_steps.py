@@ -112,6 +112,8 @@ def test_val_check_interval_validates_inside_epochs_without_changing_the_trainin
         _fit(tmp_path / "fsdp", max_epochs=1, val_check_interval=16, accumulate_grad_batches=3, strategy="fsdp")
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "mirrored"])
 def test_max_steps_and_val_check_interval_under_a_torch_and_a_keras_strategy(tmp_path, strategy):

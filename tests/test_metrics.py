@@ -130,6 +130,7 @@ trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / "run"}, progress_
     return found
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
     """torchmetrics AUROC and F1 (not means) logged as objects: 37 validation samples over 2 ranks give
@@ -158,6 +159,8 @@ def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
             assert metrics[name] == pytest.approx(value, abs=1e-6), (where, name)
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(400)
 def test_keras_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
     """keras.metrics AUC and Precision from KerasModule.stateful_metrics(): 37 validation samples over 2
@@ -204,6 +207,7 @@ def test_a_stateful_metric_resumed_mid_epoch_covers_the_whole_epoch(tmp_path):
     assert resumed == pytest.approx(whole, abs=1e-12)
 
 
+@pytest.mark.tf
 def test_keras_metric_state_merges_into_a_fresh_metric():
     """KerasMetricValue.state() survives JSON (a Keras checkpoint's state.json) and merge() adds it back."""
     import json

@@ -59,6 +59,7 @@ def _checkpoint(root: Path, epoch: int) -> str:
     return str(next((root / "checkpoints").glob(f"epoch={epoch:04d}-*")))
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_other_layouts(tmp_path):
     # 17 validation sequences: one replica takes 2 batches, the other 1; a rank's extra forward must not gather alone
@@ -103,6 +104,7 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     assert metrics_lines(on_fsdp)[-1]["val_loss"] == pytest.approx(ddp_lines[-1]["val_loss"], abs=1e-5)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(500)
 def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(tmp_path):
     """Its configure_model splits the layers over self.device_mesh and shards them with fully_shard itself; the same
@@ -140,6 +142,7 @@ def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(
     assert validated["metrics"]["val_loss"] == pytest.approx(metrics_lines(split)[-1]["val_loss"], abs=1e-6)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(400)
 def test_a_transformers_model_split_by_its_own_plan_over_every_rank_matches_one_process_in_bf16_mixed(tmp_path):
     """A Hugging Face Llama (transformers' code, tied embeddings) in a tutorial-style LightningModule, `plan: auto`:
@@ -168,6 +171,7 @@ def _initial_llama() -> dict[str, torch.Tensor]:
     return {f"model.{k}": v for k, v in TransformersLlama().model.state_dict().items()}
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_other_layouts(tmp_path):
     """2 pipeline stages x 2 replicas, 4 micro-batches of a batch: tied weights (the embedding on the first stage,
@@ -225,6 +229,7 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     assert validated["val_loss"] == pytest.approx(metrics_lines(resumed)[-1]["val_loss"], abs=1e-6)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(400)
 def test_four_pipeline_stages_built_from_the_blocks_match_one_process_in_bf16_mixed(tmp_path):
     """4 stages (an even split of the 4 blocks) built from the blocks, not traced (`stages: blocks`: the middle
@@ -253,6 +258,7 @@ def one_tied(tmp_path_factory) -> Path:
     return one
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_a_network_taking_the_targets_and_returning_logits_and_loss_runs_in_stages(tmp_path, one_tied):
     """nanoGPT's convention (transformers' too, with `labels`): the step passes the targets into the network, which
@@ -271,6 +277,7 @@ def test_a_network_taking_the_targets_and_returning_logits_and_loss_runs_in_stag
         assert mine["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(400)
 def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_layouts(tmp_path, one_tied):
     """TP2 x PP2 on 4 ranks (torchtitan's layout without data parallelism): each of the 2 stages, built from the
@@ -309,6 +316,7 @@ def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_lay
         assert _max_diff(_weights(root), reference) < CLOSE, root.name
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_one_process(tmp_path):
     """transformers' Llama (its code unchanged, tied embeddings, `labels` into the model, the loss inside it): torch's
@@ -335,6 +343,7 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     ("options", "needles"),
@@ -449,6 +458,7 @@ def _layout(root: Path, options: dict) -> list[str]:
     ]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_tensor_parallel_with_nothing_split_is_refused(tmp_path):
     """Two ranks of one replica that split nothing would each compute the whole model: refused, not wasted."""

@@ -32,6 +32,7 @@ UNAVAILABLE = unavailable()
 if UNAVAILABLE:
     print(f"tests/test_multihost.py skipped: {UNAVAILABLE}", file=sys.stderr)
 pytestmark = [
+    pytest.mark.launch,
     pytest.mark.multihost,
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"multi-host tests: {UNAVAILABLE}"),
 ]
@@ -177,7 +178,7 @@ def check_resumed(root: Path, out: str, epoch: int) -> None:
 
 def assert_nothing_left(cluster: Cluster, root: Path, keep: tuple[int, ...] = ()) -> None:
     left = [pid for pid in cluster.pids() if pid not in keep]
-    pgrep = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True).stdout.split()
+    pgrep = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True, timeout=30).stdout.split()
     assert not left and not pgrep, f"processes left: {left} {pgrep}\n" + "\n".join(
         Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")
         for p in left + [int(p) for p in pgrep]
@@ -394,6 +395,7 @@ def resume_then_cut(
     assert json.loads((root / "checkpoints" / "last.json").read_text())["epoch"] >= 4
 
 
+@pytest.mark.tf
 @pytest.mark.timeout(300)
 def test_mwms_two_hosts_same_port_resume_and_cut(cluster, tmp_path):
     """One worker per host on the same port; resumed; then host 1 loses its network mid-run."""
@@ -414,7 +416,7 @@ def start_sshd(cluster: Cluster, host: int, where: Path) -> tuple[dict[str, str]
     sshd = sshd_path()
     where.mkdir(parents=True, exist_ok=True)
     for key in ("host_key", "id"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(where / key)], check=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(where / key)], check=True, timeout=30)
     (where / "authorized_keys").write_text((where / "id.pub").read_text())
     (where / "sshd_config").write_text(
         f"ListenAddress {cluster.addresses[host]}\nPort 22\nHostKey {where / 'host_key'}\n"

@@ -64,6 +64,8 @@ def test_a_sharded_fsdp_checkpoint_loads_whole_in_one_process(tmp_path):
     assert loaded["weights_sha256"] == saved["weights_sha256"]
 
 
+@pytest.mark.launch
+@pytest.mark.tf
 @pytest.mark.timeout(240)
 def test_a_keras_checkpoint_restores_its_variables(tmp_path):
     saved = json.loads((OLD / "keras.report.json").read_text())

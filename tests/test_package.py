@@ -20,6 +20,7 @@ def test_config_reference_matches_the_schema():
     )
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_torch_path_works_with_tensorflow_and_horovod_unimportable(tmp_path):
     script = textwrap.dedent(f"""
@@ -37,6 +38,7 @@ def test_torch_path_works_with_tensorflow_and_horovod_unimportable(tmp_path):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr
 
 
+@pytest.mark.launch
 def test_import_unifit_imports_no_framework():
     result = subprocess.run(
         [
@@ -89,6 +91,7 @@ def test_torchrun_launcher_passes_multi_node_flags_through():
     assert "--master-addr" in launcher.torchrun_args(static) and "7777" in launcher.torchrun_args(static)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_a_torch_run_with_tensorboard_does_not_load_tensorflow(tmp_path):
     """TensorBoard's writer would import TensorFlow when installed (seconds, ~500 MB, its log lines)."""

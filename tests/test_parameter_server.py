@@ -24,6 +24,8 @@ import pytest
 from tests.helpers import assert_ok, metrics_lines, start_python, start_unifit, stop
 from unifit.strategies.launchers.tf_config import _free_ports
 
+pytestmark = pytest.mark.tf
+
 DIGITS = "examples/digits/keras.yaml"
 
 
@@ -55,6 +57,7 @@ def _kill_task_after_first_epoch(proc, root: Path, kind: str, index: int = 0, li
     raise AssertionError(f"no {kind} {index} task among the launch's processes")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(400)
 def test_trains_past_a_killed_worker_checkpoints_resumes_is_preempted_and_ends_with_a_killed_chief(cli, tmp_path):
     run = tmp_path / "run"
@@ -107,6 +110,7 @@ def test_trains_past_a_killed_worker_checkpoints_resumes_is_preempted_and_ends_w
     _ended_in_one_line(proc, err, children, killed_at, "the chief (the coordinator) died (killed by SIGKILL)")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_two_hosts_train_a_compiled_keras_model_and_a_killed_parameter_server_ends_every_process_with_one_line(
     tmp_path,
@@ -210,6 +214,7 @@ tf.distribute.Server(tf.train.ClusterSpec(config["cluster"]), job_name="ps", tas
 """
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(240)
 def test_sagemakers_parameter_server_distribution_runs_the_chief_on_the_master_and_serves_on_the_other_hosts(
     tmp_path,

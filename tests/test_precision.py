@@ -10,6 +10,8 @@ import torch
 
 from tests.helpers import assert_ok, launch_probe, metrics_lines, reports
 
+pytestmark = pytest.mark.launch
+
 # bf16-mixed where gradients are averaged differently (the Keras strategies are in test_precision_keras.py);
 # 16-mixed: in DDP's backward hooks, or in Horovod's optimizer.synchronize(). single and smddp-like in
 # bf16-mixed are in tests/test_zoo.py (single equals Lightning's Trainer bit for bit; smddp-like ddp's weights)

@@ -29,6 +29,8 @@ import pytest
 from tests.helpers import KERAS_PROBE_YAML, REPO, assert_ok, launch_probe, metrics_lines, reports
 from tests.probe.keras_probe import KerasProbe, indexed
 
+pytestmark = [pytest.mark.launch, pytest.mark.tf]
+
 # No dropout and no clipping: then every 2-replica strategy (mirrored, mwms, horovod) takes the same
 # steps from the same initial weights, and mirrored's 32-true run is the reference for all three
 # (dropout masks depend on which replica holds a sample; under tf.distribute gradient_clip_val clips

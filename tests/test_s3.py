@@ -34,6 +34,7 @@ def _tb_scalars(fs, url: str, local: Path) -> dict[str, list[tuple[int, float]]]
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp"])  # fsdp: every rank writes its shards to S3
 def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_path, strategy):
     fs = s3_endpoint.fs()
@@ -89,6 +90,7 @@ def test_checkpoints_and_logs_in_s3_and_resume_from_s3(s3_endpoint, bucket, tmp_
     assert "lr_step" in scalars and "val/loss" in scalars
 
 
+@pytest.mark.launch
 def test_s3_outage_does_not_stop_training_and_logs_catch_up(s3_endpoint, bucket, tmp_path):
     """Deterministic: the run holds at two epoch ends (tests/probe/gates.py) while the test acts.
 
@@ -207,6 +209,7 @@ def _exists(fs, path: str) -> bool:
         return False
 
 
+@pytest.mark.launch
 def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoint(s3_endpoint, bucket):
     url = f"s3://{bucket}/killed"
     script = textwrap.dedent(f"""
@@ -241,6 +244,7 @@ def test_process_killed_during_s3_checkpoint_upload_leaves_no_committed_checkpoi
     assert fs.cat_file(f"{path}/state.pt") == b"good"
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("ckpt", [None, "auto"])  # auto must not read an unlistable location as "no checkpoint yet"
 def test_missing_bucket_is_found_before_training(s3_endpoint, tmp_path, ckpt):
     result = launch_probe(
@@ -260,6 +264,7 @@ def test_missing_bucket_is_found_before_training(s3_endpoint, tmp_path, ckpt):
     assert "epoch 1" not in result.stdout
 
 
+@pytest.mark.launch
 def test_bad_credentials_are_found_before_training_and_never_printed(tmp_path):
     """A second S3 server that checks credentials (moto's auth mode)."""
     import socket
@@ -295,6 +300,7 @@ def test_bad_credentials_are_found_before_training_and_never_printed(tmp_path):
     assert secret not in result.stderr + result.stdout
 
 
+@pytest.mark.launch
 def test_secrets_never_reach_the_saved_config(s3_endpoint, bucket, tmp_path):
     options = json.dumps(
         {
@@ -330,6 +336,7 @@ def _wait_for_port(port: int, timeout: float = 30) -> None:
     raise AssertionError(f"nothing listens on port {port}")
 
 
+@pytest.mark.launch
 def test_data_sharded_by_file_from_s3(s3_endpoint, bucket, tmp_path):
     from examples.digits.make_shards import write_shards
 
@@ -381,6 +388,7 @@ def test_file_shards_split_by_rank_and_refuse_too_few_files(s3_endpoint, bucket)
         shards.for_rank(0, 4)
 
 
+@pytest.mark.launch
 def test_unifit_tensorboard_serves_scalars_from_s3(s3_endpoint, bucket, tmp_path):
     """TensorBoard's own HTTP API answers with the scalars a run synced to S3."""
     import urllib.parse

@@ -115,6 +115,7 @@ FAST = {
 }
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_plain_launch_one_host_starts_torchrun_itself(tmp_path):
     base = tmp_path / "host"
@@ -132,6 +133,7 @@ def test_plain_launch_one_host_starts_torchrun_itself(tmp_path):
     _check_trained(base, 2, out)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_plain_launch_one_host_with_horovod_starts_horovodrun(tmp_path):
     base = tmp_path / "host"
@@ -142,6 +144,7 @@ def test_plain_launch_one_host_with_horovod_starts_horovodrun(tmp_path):
     assert "strategy horovod" in out
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_plain_launch_two_simulated_hosts(tmp_path):
     hosts, port = ["127.0.0.1", "localhost"], str(_free_port())
@@ -154,6 +157,7 @@ def test_plain_launch_two_simulated_hosts(tmp_path):
     assert not (bases[1] / "model" / "model.pt").exists()  # only rank 0 exports
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_torch_distributed_launch_one_host(tmp_path):
     base = tmp_path / "host"
@@ -163,6 +167,7 @@ def test_torch_distributed_launch_one_host(tmp_path):
     _check_trained(base, 2, out)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_torch_distributed_launch_two_simulated_hosts(tmp_path):
     hosts = ["127.0.0.1", "localhost"]
@@ -177,6 +182,7 @@ def test_torch_distributed_launch_two_simulated_hosts(tmp_path):
     assert "smddp-like: hierarchical allreduce, 2 node(s) x 2 rank(s)" in outs[0]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_channels_become_dataset_paths(tmp_path):
     from examples.digits.make_shards import write_shards
@@ -207,6 +213,7 @@ def test_channels_become_dataset_paths(tmp_path):
     assert f"{base}/input/data/train/train-*.npz" in saved
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_mpi_style_launch_as_sagemakers_mpi_and_smdistributed_launchers_set_it(tmp_path):
     """Those launchers need sshd and Open MPI; here 2 processes get the variables mpirun sets."""
@@ -309,6 +316,7 @@ def test_managed_spot_checkpoints_resume_by_themselves(tmp_path):
     )
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(400)
 def test_restarted_spot_job_continues_from_the_synced_checkpoints(tmp_path):
     checkpoints = tmp_path / "opt-ml-checkpoints"

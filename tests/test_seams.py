@@ -14,6 +14,7 @@ from tests.helpers import REPO, assert_ok, probe_args, reports, run_unifit
 CUSTOM = "tests.probe.custom_strategy:CountingDDP"
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_strategy_by_class_path_owns_step_clip_and_state_io(tmp_path):
     out = tmp_path / "counts"
@@ -112,6 +113,7 @@ def test_state_from_a_checkpoint_written_before_progress():
     assert state.metrics == {"val/loss": 0.5}
 
 
+@pytest.mark.launch
 def test_imports_run_one_way():
     """pyproject's import-linter layers contract holds, and it covers every module of unifit."""
     result = subprocess.run(
@@ -184,6 +186,7 @@ def test_every_rank_reads_its_state_itself_where_it_can(readable, others_blind, 
     assert state == expected and url.endswith("epoch=0001-step=0000004")
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_ranks_on_a_shared_directory_read_the_checkpoint_themselves(tmp_path):
     run = tmp_path / "run"

@@ -21,6 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(180)
 def test_hierarchical_gradients_equal_flat_ddp_on_2_nodes_x_2_ranks(tmp_path):
     """Two torchrun 'nodes' on this machine (static rendezvous), 2 ranks each."""
@@ -78,6 +79,7 @@ def test_inconsistent_topology_is_a_clear_error():
         Topology(world_size=6, local_size=4, rank=0)
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(180)
 def test_strategy_reports_its_allreduce(tmp_path):
     from tests.helpers import assert_ok, launch_probe
@@ -90,6 +92,7 @@ def test_strategy_reports_its_allreduce(tmp_path):
     assert "flat allreduce (nothing to gain from a hierarchy), 1 node(s) x 2 rank(s)" in one_node.stderr
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_smddp_implementation_without_the_library_is_a_clear_error(tmp_path):
     from tests.helpers import launch_probe

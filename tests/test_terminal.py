@@ -182,6 +182,7 @@ def _missing(name: str) -> str | None:
         return module
 
 
+@pytest.mark.launch
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_one_bar_on_rank_zero_and_every_epoch_line_kept(panes, scenario):

@@ -82,10 +82,12 @@ def test_accumulation_equals_the_bigger_batch(tmp_path):
     small = ProbeModule(dropout=0.0)
     big = ProbeModule(dropout=0.0)
     big.load_state_dict(small.state_dict())
+    initial = [p.detach().clone() for p in small.parameters()]
     _trainer(tmp_path / "a", batch_size=8, accumulate_grad_batches=2, lr_scaling="none").fit(small)
     _trainer(tmp_path / "b", batch_size=16, lr_scaling="none").fit(big)
-    for p, q in zip(small.parameters(), big.parameters()):
+    for p, q, p0 in zip(small.parameters(), big.parameters(), initial):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert float((p.detach() - p0).abs().max()) > 1e-4  # both trained: two untrained runs are equal too
 
 
 def test_accumulation_counts_in_the_global_batch_for_lr_scaling(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.launch
+
 SCRIPT = textwrap.dedent("""
     import sys, time
     from unifit.strategies.watchdog import CollectiveWatchdog

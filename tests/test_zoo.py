@@ -29,6 +29,8 @@ import pytest
 from tests.helpers import REPO, assert_ok, run_unifit
 from tests.zoo.recording import ZooResults
 
+pytestmark = pytest.mark.launch
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
