@@ -155,6 +155,11 @@ class Engine(ABC):
     def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
         """The epoch's reduced metrics (after validation, if it ran): for metric-driven schedules."""
 
+    def fit_result(self, state: Any) -> Any:
+        """What Trainer.fit returns: the final TrainState; a framework whose users expect their own
+        (Keras' History) returns that instead."""
+        return state
+
     @abstractmethod
     def current_lrs(self) -> list[float]:
         """Learning rates (per param group) the next optimizer step uses, warmup included."""

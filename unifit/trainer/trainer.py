@@ -126,9 +126,10 @@ class Trainer:
         validation_freq: int | None = None,
         initial_epoch: int = 0,
         validation_steps: int | None = None,
-    ) -> TrainState:
+    ) -> Any:
         """Train `module` (data from `data` or the module itself); resume from `ckpt_path`
-        ('last', 'best', a checkpoint name or directory). Returns the final TrainState.
+        ('last', 'best', a checkpoint name or directory). Returns the final TrainState (for a Keras
+        model, a keras.callbacks.History, as model.fit returns).
 
         Lightning's ways of passing data work too: `fit(model, train_loader, val_loader)`,
         `train_dataloaders=` / `val_dataloaders=`, `datamodule=`; and model.fit's `class_weight`,
@@ -190,6 +191,7 @@ class Trainer:
             self._loop(engine, strategy, dispatch, ctx)
             run.checkpoints.wait()  # the last checkpoint is committed before fit ends
             dispatch(Event.FIT_END)
+            result = engine.fit_result(self.state)
         except BaseException as error:
             try:
                 if dispatch is not None:  # may save a checkpoint (checkpoint.save_on_exception)
@@ -206,7 +208,7 @@ class Trainer:
                 self._run = None
                 engine.close()
                 strategy.teardown()
-        return self.state
+        return result
 
     def _find_batch_size(self, engine: Any, ctx: FitContext, given: Any, report: Any) -> TrainerConfig:
         """The batch size finder of a fresh fit (a resumed one goes on at the size its checkpoint was trained at);
