@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, assert_ok, metrics_lines, run_unifit
+from tests.helpers import REPO, assert_ok, metrics_lines, run_together, run_unifit
 from tests.probe.tiny_gpt import LLAMA_SEQUENCE_PLAN, PLAN, SEQUENCE_PLAN, TinyGPT
 from unifit.strategies.sharded_state import read_whole
 
@@ -24,15 +24,28 @@ CLOSE = 2e-5
 LAYOUT = {"tensor_parallel": 2, "plan": PLAN}  # 2 x 2 on 4 ranks
 
 
-def _run(root: Path, strategy: str, procs: int, *overrides: str, options: dict | None = None, ckpt: str | None = None):
+def _args(root: Path, strategy: str, procs: int, *overrides: str, options: dict | None = None, ckpt: str | None = None):
     args = ["fit"] if procs == 1 else ["launch", "--nproc-per-node", str(procs)]
     args += ["-c", str(YAML), "--trainer.strategy", strategy, "--trainer.root_dir", str(root)]
     args += ["--trainer.export_dir", str(root / "export"), *overrides]
     if options:
         args += ["--trainer.strategy_options", json.dumps(options)]
-    result = run_unifit(*args, *(["--ckpt-path", ckpt] if ckpt else []), timeout=240)
+    return [*args, *(["--ckpt-path", ckpt] if ckpt else [])]
+
+
+def _run(root: Path, strategy: str, procs: int, *overrides: str, options: dict | None = None, ckpt: str | None = None):
+    result = run_unifit(*_args(root, strategy, procs, *overrides, options=options, ckpt=ckpt), timeout=240)
     assert_ok(result)
     return result
+
+
+def _run_together(*runs: list[str]) -> list:
+    """Independent runs (each `_args(...)`) at the same time: one's start-up and rendezvous overlap the other's steps
+    on this 2-core machine. Each must succeed."""
+    results = run_together([(args, {}) for args in runs], timeout=300)
+    for result in results:
+        assert_ok(result)
+    return results
 
 
 def _weights(root: Path) -> dict[str, torch.Tensor]:
@@ -64,10 +77,11 @@ def _checkpoint(root: Path, epoch: int) -> str:
 def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_other_layouts(tmp_path):
     # 17 validation sequences: one replica takes 2 batches, the other 1; a rank's extra forward must not gather alone
     uneven = ("--module.init_args.n_val", "17")
-    ddp = tmp_path / "ddp"
-    _run(ddp, "ddp", 2, *uneven)
-    tp = tmp_path / "tp2xdp2"
-    out = _run(tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, options=LAYOUT)
+    ddp, tp = tmp_path / "ddp", tmp_path / "tp2xdp2"
+    _, out = _run_together(
+        _args(ddp, "ddp", 2, *uneven),
+        _args(tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, options=LAYOUT),
+    )
     assert "4 rank(s) = 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
     assert "14 layer(s) split over 2 ranks" in out.stderr, out.stderr
     assert "global batch 32" in out.stdout + out.stderr  # 2 replicas x 8 x 2 accumulated, as ddp's 2 ranks
@@ -83,12 +97,13 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     for rank in range(4):  # a micro-batch of 8 sequences of 16 positions: 8 of them on each tensor-parallel rank
         assert json.loads((resumed / f"norm_input_rank{rank}.json").read_text()) == [[8, 8, 32]]
     on_fsdp = tmp_path / "on_fsdp"
-    _run(on_fsdp, "fsdp", 2, *uneven, ckpt=ckpt)
     # predict on 2 ranks of one replica (both predict every sample): each sample once, in order, as the whole model
     out = tmp_path / "split.pkl"
     args = ["launch", "--run", "predict", "--nproc-per-node", "2", "-c", str(YAML), "--trainer.strategy"]
     args += ["model-parallel", "--trainer.root_dir", str(tmp_path / "split"), "--ckpt-path", ckpt, "--output", str(out)]
-    assert_ok(run_unifit(*args, "--trainer.strategy_options", json.dumps(LAYOUT), timeout=200))
+    _run_together(
+        _args(on_fsdp, "fsdp", 2, *uneven, ckpt=ckpt), [*args, "--trainer.strategy_options", json.dumps(LAYOUT)]
+    )
     assert torch.equal(pickle.loads(out.read_bytes()), _predicted_whole(_weights(tp))), "not one process's predictions"
     reference = _weights(ddp)
     for root in (resumed, on_fsdp):
@@ -109,21 +124,15 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
 def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(tmp_path):
     """Its configure_model splits the layers over self.device_mesh and shards them with fully_shard itself; the same
     LightningModule unsplit runs unchanged in pipeline stages."""
-    whole = tmp_path / "whole"
-    _run(whole, "ddp", 2, "--module.class_path", "tests.probe.tiny_gpt.LightningWhole")
-    split = tmp_path / "split"
-    out = _run(
-        split,
-        "model-parallel",
-        4,
-        "--module.class_path",
-        "tests.probe.tiny_gpt.LightningTP",
-        options={"tensor_parallel": 2},
+    whole, split, staged = tmp_path / "whole", tmp_path / "split", tmp_path / "staged"
+    whole_module = ("--module.class_path", "tests.probe.tiny_gpt.LightningWhole")
+    tp_module = ("--module.class_path", "tests.probe.tiny_gpt.LightningTP")
+    _, out = _run_together(
+        _args(whole, "ddp", 2, *whole_module),
+        _args(split, "model-parallel", 4, *tp_module, options={"tensor_parallel": 2}),
     )
     assert "configure_model() sharded the model with fully_shard itself" in out.stderr, out.stderr
     # the unsplit module, unchanged, in 2 pipeline stages x 2 replicas (its steps call self.net: the pipeline's)
-    staged = tmp_path / "staged"
-    whole_module = ("--module.class_path", "tests.probe.tiny_gpt.LightningWhole")
     _run(staged, "model-parallel", 4, *whole_module, options={"pipeline_parallel": 2, "split_points": ["net.blocks.1"]})
     for root in (split, staged):
         assert _max_diff(_weights(root), _weights(whole)) < CLOSE, root.name
@@ -150,10 +159,11 @@ def test_a_transformers_model_split_by_its_own_plan_over_every_rank_matches_one_
     rank beside the split ones, and clipping combines a mesh's norm with a plain one); one process trains the
     same global batch. The tied head and embedding stay one weight."""
     llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama", "--trainer.precision", "bf16-mixed")
-    one = tmp_path / "one"
-    _run(one, "single", 1, *llama)
-    tp4 = tmp_path / "tp4"
-    out = _run(tp4, "model-parallel", 4, *llama, options={"tensor_parallel": 4, "plan": "auto"})
+    one, tp4 = tmp_path / "one", tmp_path / "tp4"
+    _, out = _run_together(
+        _args(one, "single", 1, *llama),
+        _args(tp4, "model-parallel", 4, *llama, options={"tensor_parallel": 4, "plan": "auto"}),
+    )
     assert "16 layer(s) split over 4 ranks (10 colwise, 1 colwise_gather, 5 rowwise)" in out.stderr, out.stderr
     weights = {name: _weights(root) for name, root in (("one", one), ("tp4", tp4))}
     assert torch.equal(weights["tp4"]["model.lm_head.weight"], weights["tp4"]["model.model.embed_tokens.weight"])
@@ -186,11 +196,12 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     sharded blocks build together. Validation is 17 and 16 sequences: one replica has a batch more."""
     data = ("--module.init_args.tied", "true", "--module.init_args.n_train", "52", "--module.init_args.n_val", "33")
     data += ("--module.init_args.ragged", "true")
-    ddp = tmp_path / "ddp"
-    _run(ddp, "ddp", 2, *data)
-    staged = tmp_path / "pp2xdp2"
+    ddp, staged = tmp_path / "ddp", tmp_path / "pp2xdp2"
     layout = {"pipeline_parallel": 2, "microbatches": 4}
-    out = _run(staged, "model-parallel", 4, *data, "--trainer.max_epochs", "2", options=layout)
+    _, out = _run_together(
+        _args(ddp, "ddp", 2, *data),
+        _args(staged, "model-parallel", 4, *data, "--trainer.max_epochs", "2", options=layout),
+    )
     assert "4 rank(s) = 2 pipeline stages x 2 data-parallel x 1 tensor-parallel" in out.stderr, out.stderr
     assert "net split into 2 stages at net.blocks.1 (1f1b schedule)" in out.stderr, out.stderr
     assert "1 parameter(s) held by several stages (tied weights)" in out.stderr, out.stderr
@@ -201,11 +212,12 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     # scaled by the 2 replicas still)
     resumed = tmp_path / "resumed"
     cube = {**layout, **LAYOUT, "schedule": "gpipe"}
-    out = _run(resumed, "model-parallel", 8, *data, options=cube, ckpt=ckpt)
+    on_fsdp = tmp_path / "on_fsdp"
+    out, _ = _run_together(
+        _args(resumed, "model-parallel", 8, *data, options=cube, ckpt=ckpt), _args(on_fsdp, "fsdp", 2, *data, ckpt=ckpt)
+    )
     assert "8 rank(s) = 2 pipeline stages x 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
     assert "each stage's blocks sharded over its 2 data-parallel ranks (FSDP2)" in out.stderr, out.stderr
-    on_fsdp = tmp_path / "on_fsdp"
-    _run(on_fsdp, "fsdp", 2, *data, ckpt=ckpt)
     reference = _weights(ddp)
     for root in (resumed, on_fsdp):
         assert _max_diff(_weights(root), reference) < CLOSE, root.name
@@ -237,11 +249,11 @@ def test_four_pipeline_stages_built_from_the_blocks_match_one_process_in_bf16_mi
     table and the head are every stage's, their gradients summed), the GPipe schedule, 4 micro-batches, no data
     parallelism."""
     deeper = ("--module.init_args.layers", "4", "--trainer.precision", "bf16-mixed")
-    one = tmp_path / "one"
-    _run(one, "single", 1, *deeper)
-    staged = tmp_path / "pp4"
+    one, staged = tmp_path / "one", tmp_path / "pp4"
     options = {"pipeline_parallel": 4, "schedule": "gpipe", "microbatches": 4, "stages": "blocks"}
-    out = _run(staged, "model-parallel", 4, *deeper, options=options)
+    _, out = _run_together(
+        _args(one, "single", 1, *deeper), _args(staged, "model-parallel", 4, *deeper, options=options)
+    )
     assert "net split into 4 stages at net.blocks.1, net.blocks.2, net.blocks.3" in out.stderr, out.stderr
     assert "stage 2 of 4 runs blocks 2-2 of self.net.blocks" in out.stderr, out.stderr
     assert "5 parameter(s) held by several stages (the network's outside its blocks)" in out.stderr, out.stderr
@@ -308,10 +320,11 @@ def test_tensor_x_pipeline_parallel_matches_one_process_and_resumes_on_other_lay
     assert _max_diff({k: v for k, v in start.items() if k in initial}, initial) == 0.0
     ckpt = _checkpoint(staged, 2)
     assert (Path(ckpt) / "shards" / ".metadata").is_file()  # DCP's: every rank wrote its part
-    resumed = tmp_path / "resumed"
-    _run(resumed, "model-parallel", 4, *tied, options={**layout, "schedule": "gpipe"}, ckpt=ckpt)
-    alone = tmp_path / "alone"
-    _run(alone, "single", 1, *tied, ckpt=ckpt)
+    resumed, alone = tmp_path / "resumed", tmp_path / "alone"
+    _run_together(
+        _args(resumed, "model-parallel", 4, *tied, options={**layout, "schedule": "gpipe"}, ckpt=ckpt),
+        _args(alone, "single", 1, *tied, ckpt=ckpt),
+    )
     for root in (resumed, alone):
         assert _max_diff(_weights(root), reference) < CLOSE, root.name
 
@@ -325,8 +338,10 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
     The same against 2 tensor-parallel ranks with a hand-written sequence-parallel plan (LLAMA_SEQUENCE_PLAN)."""
     llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama")
     one, staged, sequence = tmp_path / "one", tmp_path / "staged", tmp_path / "sequence"
-    _run(one, "single", 1, *llama)
-    out = _run(sequence, "model-parallel", 2, *llama, options={"tensor_parallel": 2, "plan": LLAMA_SEQUENCE_PLAN})
+    _, out = _run_together(
+        _args(one, "single", 1, *llama),
+        _args(sequence, "model-parallel", 2, *llama, options={"tensor_parallel": 2, "plan": LLAMA_SEQUENCE_PLAN}),
+    )
     assert "(10 colwise, 1 colwise_gather, 1 rowwise, 4 rowwise_sequence, 7 sequence)" in out.stderr, out.stderr
     assert _max_diff(_weights(sequence), _weights(one)) < CLOSE  # measured 8.4e-7
     out = _run(staged, "model-parallel", 2, *llama, options={"pipeline_parallel": 2, "microbatches": 4})
@@ -343,52 +358,57 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
 
 
+# each: the layout, and what the first error line on every rank says
+BAD_STAGES_OR_SPLITS = [
+    (
+        {"pipeline_parallel": 2, "split_points": ["net.layers.1"]},
+        ["split_points: 'net.layers.1' names no submodule of TinyGPT", "net.blocks"],
+    ),
+    ({"pipeline_parallel": 2, "microbatches": 3}, ["microbatches: 3 does not divide a training batch of 8 rows"]),
+    (  # the first block's output read after the last: a later stage passes block 0 through, so it would differ
+        {"pipeline_parallel": 2, "stages": "blocks", "cli": ["--module.init_args.skip", "true"]},
+        ["self.net split into stages at its blocks does not compute what it computes whole", "skip connection"],
+    ),
+    (
+        {"pipeline_parallel": 2, "stages": "blocks", "split_points": ["net.norm"]},
+        ["stages: blocks needs split points that are items of one list of blocks", "net.norm"],
+    ),
+    (
+        {"pipeline_parallel": 2, "tensor_parallel": 2, "nproc": 4},
+        ["tensor_parallel: 2 with pipeline_parallel 2, but no plan", "plan: auto"],
+    ),
+    (  # a colwise layer on stage 0, the rowwise one reading it on stage 1: the handed-on activation is split
+        {
+            "pipeline_parallel": 2,
+            "tensor_parallel": 2,
+            "nproc": 4,
+            "plan": {"net.0": "colwise", "net.2": "rowwise"},
+            "cli": ["--module.class_path", "tests.probe.soak_torch.SoakModule"],
+        },
+        ["self.net cannot run with only this stage's layers split", "must lie in one stage"],
+    ),
+    (  # sequence parallelism whose blocks are not planned: the residual add meets the attention's shards
+        {"tensor_parallel": 2, "plan": {k: v for k, v in SEQUENCE_PLAN.items() if k != "net.blocks.*"}},
+        ["aten.add.Tensor in net.blocks.0's forward met activations cut along the sequence", "residual add"],
+    ),
+]
+
+
 @pytest.mark.launch
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    ("options", "needles"),
-    [
-        (
-            {"pipeline_parallel": 2, "split_points": ["net.layers.1"]},
-            ["split_points: 'net.layers.1' names no submodule of TinyGPT", "net.blocks"],
-        ),
-        ({"pipeline_parallel": 2, "microbatches": 3}, ["microbatches: 3 does not divide a training batch of 8 rows"]),
-        (  # the first block's output read after the last: a later stage passes block 0 through, so it would differ
-            {"pipeline_parallel": 2, "stages": "blocks", "cli": ["--module.init_args.skip", "true"]},
-            ["self.net split into stages at its blocks does not compute what it computes whole", "skip connection"],
-        ),
-        (
-            {"pipeline_parallel": 2, "stages": "blocks", "split_points": ["net.norm"]},
-            ["stages: blocks needs split points that are items of one list of blocks", "net.norm"],
-        ),
-        (
-            {"pipeline_parallel": 2, "tensor_parallel": 2, "nproc": 4},
-            ["tensor_parallel: 2 with pipeline_parallel 2, but no plan", "plan: auto"],
-        ),
-        (  # a colwise layer on stage 0, the rowwise one reading it on stage 1: the handed-on activation is split
-            {
-                "pipeline_parallel": 2,
-                "tensor_parallel": 2,
-                "nproc": 4,
-                "plan": {"net.0": "colwise", "net.2": "rowwise"},
-                "cli": ["--module.class_path", "tests.probe.soak_torch.SoakModule"],
-            },
-            ["self.net cannot run with only this stage's layers split", "must lie in one stage"],
-        ),
-        (  # sequence parallelism whose blocks are not planned: the residual add meets the attention's shards
-            {"tensor_parallel": 2, "plan": {k: v for k, v in SEQUENCE_PLAN.items() if k != "net.blocks.*"}},
-            ["aten.add.Tensor in net.blocks.0's forward met activations cut along the sequence", "residual add"],
-        ),
-    ],
-)
-def test_bad_stage_or_split_input_is_one_line_on_every_rank(tmp_path, options, needles):
-    options = dict(options)
-    extra, procs = options.pop("cli", []), str(options.pop("nproc", 2))
-    result = run_unifit("launch", "--nproc-per-node", procs, *_layout(tmp_path, options), *extra, timeout=150)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
-    assert errors and all(needle in errors[0] for needle in needles), result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "checkpoints").exists()
+@pytest.mark.timeout(400)
+def test_bad_stage_or_split_input_is_one_line_on_every_rank(tmp_path):
+    """Each refused in its own launch; the launches run at once (they end at set-up)."""
+    commands = []
+    for i, (options, _) in enumerate(BAD_STAGES_OR_SPLITS):
+        options = dict(options)
+        extra, procs = options.pop("cli", []), str(options.pop("nproc", 2))
+        commands.append((["launch", "--nproc-per-node", procs, *_layout(tmp_path / str(i), options), *extra], {}))
+    results = run_together(commands, timeout=300)
+    for i, ((_, needles), result) in enumerate(zip(BAD_STAGES_OR_SPLITS, results, strict=True)):
+        assert result.returncode != 0, (i, result.stdout)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("unifit: error")]
+        assert errors and all(needle in errors[0] for needle in needles), (i, result.stderr)
+        assert "Traceback" not in result.stderr and not (tmp_path / str(i) / "checkpoints").exists(), i
 
 
 def _refused(result, *needles: str) -> None:
