@@ -3,6 +3,8 @@
 An estimator runs `entry_point="train.py"` holding `from unifit.sagemaker import main; main()`,
 with hyperparameters such as {"config": "exp.yaml", "trainer.max_epochs": 10}. SageMaker
 passes them as `--config exp.yaml --trainer.max_epochs 10`, which are unifit's own overrides.
+Or a script of the user's that makes its own Trainer (or uses TensorFlow's strategies itself):
+{"script": "train_ps.py", "strategy": "parameter-server", ...}; the other hyperparameters are its arguments.
 What SageMaker provides is mapped onto the config:
 
 - SM_HOSTS / SM_CURRENT_HOST / SM_NUM_GPUS: hosts, node rank and processes per host for the
@@ -138,10 +140,11 @@ def _main(argv: list[str]) -> int:
     from unifit.cli import main as cli
     from unifit.config.loading import apply_overrides, load_yaml
     from unifit.strategies import registry
-    from unifit.strategies.launchers.base import LaunchSpec
 
     parser = argparse.ArgumentParser(prog="unifit-sagemaker")
-    parser.add_argument("--config", "-c", required=True)
+    parser.add_argument("--config", "-c", default=None)
+    parser.add_argument("--script", default=None, help="instead of --config: a script that makes its own Trainer")
+    parser.add_argument("--strategy", default=None, help="with --script: the strategy whose processes run it")
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None)
     parser.add_argument("--master-port", "--master_port", type=int, default=None)
     parser.add_argument("--num-ps", "--num_ps", type=int, default=1, help="parameter-server: per host")
@@ -152,13 +155,19 @@ def _main(argv: list[str]) -> int:
             "unifit.sagemaker: SM_HOSTS is not set; this entry point runs inside SageMaker "
             "(or its local training toolkit); elsewhere use `unifit fit` / `unifit launch`"
         )
+    if bool(args.config) == bool(args.script):
+        raise ConfigError(
+            f"unifit.sagemaker: received config={args.config!r} and script={args.script!r}; give one hyperparameter: "
+            "config (an experiment file) or script (a Python script that makes its own Trainer, with strategy)"
+        )
+    if args.script:
+        return _script_job(args, extra, sm)
     overrides = cli.parse_overrides(extra)
     overrides.update(sm.overrides(apply_overrides(load_yaml(args.config), overrides)))
     fit_args = ["-c", args.config]
     for key, value in overrides.items():
         fit_args += [f"--{key}", value]
-    cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
-    if cluster.get("ps"):  # SageMaker's parameter_server distribution started the parameter servers
+    if _parameter_server_distribution():
         launcher = registry.launcher(cli.load_experiment(args.config, overrides).trainer.strategy)
         if not launcher.starts_parameter_servers:
             raise ConfigError(
@@ -166,25 +175,82 @@ def _main(argv: list[str]) -> int:
                 "parameter_server (TF_CONFIG has 'ps' tasks); set trainer.strategy: parameter-server, or drop the "
                 "distribution argument"
             )
-        from unifit.strategies.launchers.parameter_servers import serve_task
-
-        task = str(json.loads(os.environ["TF_CONFIG"]).get("task", {}).get("type", "")).lower()
-        if task not in ("chief", "master"):
-            return serve_task(os.environ["TF_CONFIG"])
+        if not _is_chief():
+            return _serve()
     if under_launcher():
         return cli.main(["fit", *fit_args])
     experiment = cli.load_experiment(args.config, overrides)
     launcher = registry.launcher(experiment.trainer.strategy)
-    spec = LaunchSpec(
+    spec = _spec(args, sm, launcher.starts_parameter_servers, fit_args=fit_args)
+    if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.num_ps:
+        return cli.main(["fit", *fit_args])
+    return launcher.launch(spec)
+
+
+def _script_job(args: Any, script_args: list[str], sm: SageMakerEnvironment) -> int:
+    """The hyperparameter `script` (the others are its arguments): run where SageMaker's distribution started this
+    process, else launched on every host as `unifit launch --strategy S -- SCRIPT.py` would."""
+    from unifit.cli import main as cli
+    from unifit.strategies import registry
+    from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
+
+    script = [args.script, *script_args]
+    if _parameter_server_distribution():
+        if args.strategy not in (None, "parameter-server"):
+            raise ConfigError(
+                f"strategy: received {args.strategy!r}, but the estimator's distribution is parameter_server "
+                "(TF_CONFIG has 'ps' tasks); give strategy parameter-server, or drop the distribution argument"
+            )
+        if not _is_chief():
+            return _serve()
+        from unifit.strategies.tf_server import chief_named
+
+        # the script's own TFConfigClusterResolver reads TF_CONFIG: TensorFlow 2's ParameterServerStrategy needs the
+        # coordinator's task named "chief", not SageMaker's "master"
+        os.environ["TF_CONFIG"] = json.dumps(chief_named(os.environ["TF_CONFIG"]))
+        os.environ[LAUNCH_STRATEGY_ENV] = "parameter-server"
+        return cli.main(["script", *script])
+    if not args.strategy:
+        raise ConfigError(
+            f"unifit.sagemaker: script={args.script!r} needs the hyperparameter strategy (e.g. mwms, ddp, "
+            "parameter-server): the strategy whose processes run it"
+        )
+    launcher = registry.launcher(args.strategy)
+    if under_launcher():
+        os.environ[LAUNCH_STRATEGY_ENV] = args.strategy
+        return cli.main(["script", *script])
+    env = {LAUNCH_STRATEGY_ENV: args.strategy}
+    return launcher.launch(_spec(args, sm, launcher.starts_parameter_servers, script=script, env=env))
+
+
+def _spec(args: Any, sm: SageMakerEnvironment, parameter_servers: bool, **given: Any) -> Any:
+    """The launch of this host's processes, from SageMaker's hosts and the hyperparameters."""
+    from unifit.strategies.launchers.base import LaunchSpec
+
+    return LaunchSpec(
         nproc_per_node=args.nproc_per_node or max(1, sm.num_gpus),
         nnodes=len(sm.hosts),
         node_rank=sm.node_rank,
         master_addr=sm.hosts[0],
         master_port=args.master_port or int(os.environ.get("UNIFIT_MASTER_PORT", 29500)),
-        fit_args=fit_args,
         hosts=sm.hosts if len(sm.hosts) > 1 else None,  # one host: its tasks on 127.0.0.1 (its name may not resolve)
-        num_ps=args.num_ps if launcher.starts_parameter_servers else 0,
+        num_ps=args.num_ps if parameter_servers else 0,
+        **given,
     )
-    if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.num_ps:
-        return cli.main(["fit", *fit_args])
-    return launcher.launch(spec)
+
+
+def _parameter_server_distribution() -> bool:
+    """SageMaker's parameter_server distribution started the parameter servers: TF_CONFIG has 'ps' tasks."""
+    return bool((json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}).get("ps"))
+
+
+def _is_chief() -> bool:
+    task = json.loads(os.environ["TF_CONFIG"]).get("task") or {}
+    return str(task.get("type", "")).lower() in ("chief", "master")
+
+
+def _serve() -> int:
+    """A worker host of the parameter_server distribution: serve as a worker until the chief ends."""
+    from unifit.strategies.launchers.parameter_servers import serve_task
+
+    return serve_task(os.environ["TF_CONFIG"])

@@ -109,7 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         "--hosts", default=None, help="comma-separated hosts: mwms and parameter-server tasks on several hosts"
     )
     launch.add_argument(
-        "--num-ps", type=int, default=0, help="parameter servers to start (trainer.strategy parameter-server)"
+        "--num-ps",
+        type=int,
+        default=0,
+        help="parameter servers to start (trainer.strategy or --strategy parameter-server; a script then runs as "
+        "the chief, with TF_CONFIG)",
     )
     launch.add_argument("--ckpt-path", default=None, help="as for fit; with --max-restarts the default is 'auto'")
     launch.add_argument(
@@ -405,7 +409,10 @@ def _command(argv: list[str]) -> int:
 def _run_script(script: list[str]) -> int:
     """Run SCRIPT.py [ARGS] as `python SCRIPT.py` would (its own __main__, argv and path); a refusal of unifit's
     (UnifitError) ends it with unifit's one line and exit code instead of a traceback; any other error is the
-    script's own, shown as Python shows it."""
+    script's own, shown as Python shows it, exit code 1. Either way the code comes back to main(), so a launched
+    rank ends through _end_launched_rank: TensorFlow's collective and gRPC server threads, still running at
+    interpreter shutdown, can crash it there (SIGSEGV, SIGABRT after a successful mwms run: tensorflow/tensorflow
+    #56684, #55250), which would replace a script's exit code with a signal."""
     import runpy
 
     if not script:
@@ -413,6 +420,10 @@ def _run_script(script: list[str]) -> int:
     sys.argv = list(script)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
     try:
+        if "ps" in os.environ.get("TF_CONFIG", ""):  # a parameter-server chief: its cluster up, or one line
+            from unifit.strategies.parameter_server import wait_for_the_cluster_of_a_script
+
+            wait_for_the_cluster_of_a_script()
         runpy.run_path(script[0], run_name="__main__")
     except UnifitError as exc:
         if os.environ.get("UNIFIT_DEBUG"):
@@ -422,6 +433,9 @@ def _run_script(script: list[str]) -> int:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
         print(exc.code, file=sys.stderr)
+        return 1
+    except Exception:  # the script's own error: its traceback, as python prints it, and python's exit code
+        traceback.print_exc()
         return 1
     return 0
 

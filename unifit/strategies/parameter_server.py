@@ -196,6 +196,18 @@ class ParameterServerStrategy(TFDistributeStrategy):
         return values
 
 
+def wait_for_the_cluster_of_a_script() -> None:
+    """A user's script run as a parameter-server chief (`unifit launch --strategy parameter-server -- SCRIPT.py`):
+    every server answering before the script's own ParameterServerStrategy connects, which would wait forever for
+    one that never does; trainer.collective_timeout_s' default bounds the wait. Anything else: no wait."""
+    from unifit.config.schema import TrainerConfig
+    from unifit.strategies.tf_server import chief_named
+
+    config = chief_named(os.environ.get("TF_CONFIG") or "{}")
+    if config["cluster"].get("ps") and config["task"].get("type") == "chief":
+        wait_for_cluster(config["cluster"], TrainerConfig.model_fields["collective_timeout_s"].default)
+
+
 def wait_for_cluster(spec: dict[str, list[str]], timeout_s: float) -> None:
     """Every parameter server and worker accepting connections, or a DistributedError naming those that did not
     within `timeout_s` (a host name that does not resolve, a port nobody listens on). TensorFlow's own connect

@@ -31,15 +31,22 @@ def end_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def cluster_resolver(raw: str | None = None) -> Any:
-    """A resolver for TF_CONFIG (`raw`, default the environment's), with a "master" task read as "chief"."""
-    import tensorflow as tf
-
-    config = json.loads(os.environ.get("TF_CONFIG", "{}") if raw is None else raw)
+def chief_named(raw: str) -> dict[str, Any]:
+    """TF_CONFIG `raw` as a dict, with a "master" task (TensorFlow 1's name, SageMaker's) renamed "chief"."""
+    config = json.loads(raw)
     cluster, task = dict(config.get("cluster") or {}), dict(config.get("task") or {})
     if "master" in cluster and "chief" not in cluster:
         cluster["chief"] = cluster.pop("master")
         task["type"] = "chief" if str(task.get("type")).lower() == "master" else task.get("type")
+    return {**config, "cluster": cluster, "task": task}
+
+
+def cluster_resolver(raw: str | None = None) -> Any:
+    """A resolver for TF_CONFIG (`raw`, default the environment's), with a "master" task read as "chief"."""
+    import tensorflow as tf
+
+    config = chief_named(os.environ.get("TF_CONFIG", "{}") if raw is None else raw)
+    cluster, task = config["cluster"], config["task"]
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster),
         task_type=str(task.get("type", "")).lower() or None,

@@ -1,6 +1,7 @@
 """Start a parameter-server cluster: on each host K parameter servers and N workers (tf.distribute.Server
-processes, `python -m unifit.strategies.tf_server`), and on the first host the chief, which runs unifit's loop and
-coordinates.
+processes, `python -m unifit.strategies.tf_server`), and on the first host the chief, which coordinates: `unifit fit`
+of an experiment, or a user's script (`-- SCRIPT.py`) with TF_CONFIG's task "chief", where TensorFlow's own
+`TFConfigClusterResolver` + `ParameterServerStrategy` or unifit's `Trainer(strategy="parameter-server")` connect.
 
 One host: free ports on 127.0.0.1. Several hosts (`--hosts h0,h1 --node-rank R`, as for mwms, or SageMaker's
 SM_HOSTS): every node computes the same cluster from the host list and a base port (--master-port, default 23456):
@@ -75,8 +76,6 @@ class ParameterServerLauncher(TFConfigLauncher):
             raise ConfigError(
                 f"--node-rank {spec.node_rank}: --hosts lists {len(spec.hosts)} hosts; give 0 to {len(spec.hosts) - 1}"
             )
-        if spec.script:
-            raise ConfigError("unifit launch -- SCRIPT.py: parameter-server runs an experiment file (-c exp.yaml)")
 
     def launch(self, spec: LaunchSpec) -> int:
         self.check(spec)
