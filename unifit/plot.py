@@ -1,8 +1,8 @@
 """`unifit plot RUN_DIR [RUN_DIR ...] -o curves.png`: the curves of one or more runs, overlaid.
 
-Reads each run directory's `metrics.jsonl` (one JSON line per epoch, written by rank 0; see
-callbacks/run_directory.py) from a local path or any fsspec URL (s3://...), and draws one row of
-panels per quantity: the loss (train solid, validation dashed), every other train/val metric the
+Reads each run directory's `metrics.jsonl` (one JSON line per epoch, written by rank 0, and one per
+validation inside an epoch, marked `"mid_epoch": true`, drawn at its step; see callbacks/run_directory.py)
+from a local path or any fsspec URL (s3://...), and draws one row of panels per quantity: the loss (train solid, validation dashed), every other train/val metric the
 same way, the learning rate, and the throughput; the left column against the global step, the
 right against wall time. Runs are told apart by colour and labelled by their directory name (or
 `--label`).
@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from unifit.errors import ConfigError, MissingExtraError, first_line
+from unifit.loop.validations import MID_EPOCH
 
 METRICS_FILE = "metrics.jsonl"
-_NOT_PLOTTED = {"epoch", "step", "elapsed_s"}
+_NOT_PLOTTED = {"epoch", "step", "elapsed_s", MID_EPOCH}
 _FORMATS = {".png", ".svg", ".pdf", ".html"}
 _ROW_PX, _WIDTH_PX = 260, 1400  # default size: 1400 px wide, 260 px per row of panels
 
@@ -287,12 +288,13 @@ def render(
 
 
 def render_html(runs: Sequence[Run], png: bytes) -> bytes:
-    """A self-contained page: the PNG and, per run, the last and best value of each metric."""
+    """A self-contained page: the PNG and, per run, the last epoch's value of each metric and the best validation
+    value (of every validation, those inside epochs too)."""
     keys = [k for _, ks in panels(runs) for k in ks]
     head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
     body = []
     for run in runs:
-        last = run.records[-1]
+        last = next((r for r in reversed(run.records) if not r.get(MID_EPOCH)), run.records[-1])
         cells = []
         for key in keys:
             values = [v for v in (_number(r.get(key)) for r in run.records) if v is not None and not math.isnan(v)]

@@ -12,14 +12,17 @@ draws it on stderr whatever stderr is.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
 from typing import IO, Any
 
+from unifit.frameworks.lr_policy import LRPolicy
 from unifit.loop.callback import Callback
 from unifit.strategies.launchers.base import TTY_ENV, TTY_HOST_ENV, TTY_STDOUT_ENV
 
+log = logging.getLogger("unifit")
 _devices: dict[str, IO[str] | None] = {}  # terminal devices opened by this process (once each)
 
 
@@ -81,7 +84,8 @@ def line_stream() -> IO[str]:
 
 
 class EpochSummary(Callback):
-    """Plain lines (fit as logs): the set-up, each epoch's averaged metrics, the final metrics."""
+    """Plain lines (fit as logs): the set-up, each epoch's averaged metrics, the final metrics; and, logged, what
+    trainer.lr_scaling does to the module's lr (after the batch size finder: said once, with the size trained at)."""
 
     rank_zero_only = True
 
@@ -94,6 +98,11 @@ class EpochSummary(Callback):
             f"{ctx.batches_per_epoch} batches/epoch per rank, {ctx.threads} CPU thread"
             f"{'s' if ctx.threads != 1 else ''} per rank"
         )
+        lrs = ctx.current_lrs()
+        policy = LRPolicy.of_fit(cfg, ctx.global_batch, ctx.batches_per_epoch)
+        line = policy.scaling_line(lrs[0] if lrs else None, ctx.state.global_step)
+        if line:
+            log.info(line)
 
     def on_epoch_end(self, ctx: Any) -> None:
         self._print(

@@ -1,6 +1,6 @@
 """One callback feeds every logger of the run, on rank 0: the resolved config once, the step loss, lr and what the
 module logged with on_step=True every `log_every_n_steps` optimizer steps, each epoch's metrics at its last step,
-the last checkpoint at the end (for loggers that keep artifacts), and the run's outcome. Each value is read once and
+each validation inside an epoch (trainer.val_check_interval) at the step it ran at, the last checkpoint at the end (for loggers that keep artifacts), and the run's outcome. Each value is read once and
 handed to all loggers, so they record the same steps and epochs.
 """
 
@@ -13,12 +13,12 @@ import yaml
 
 from unifit.loggers.base import Logger, RunInfo, flatten
 from unifit.loggers.device_stats import device_stats
-from unifit.loop.callback import Callback
+from unifit.loop.validations import RecordsMidEpochValidations
 
 log = logging.getLogger("unifit")
 
 
-class LoggerConnector(Callback):
+class LoggerConnector(RecordsMidEpochValidations):
     rank_zero_only = True
 
     def __init__(self, loggers: list[Logger], log_every_n_steps: int) -> None:
@@ -79,6 +79,11 @@ class LoggerConnector(Callback):
     def _step_extras(self) -> dict[str, float]:
         """More values for a logged step (DeviceStatsConnector's)."""
         return {}
+
+    def on_mid_epoch_validation(self, ctx: Any, metrics: dict[str, float]) -> None:
+        """Its metrics alone (no `epoch`: rows and events with `epoch` are the epochs' ends)."""
+        for logger in self.loggers:
+            logger.log_metrics(metrics, ctx.state.global_step)
 
     def on_epoch_end(self, ctx: Any) -> None:
         metrics = {**ctx.state.metrics, "epoch": ctx.state.epoch}
