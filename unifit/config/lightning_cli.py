@@ -118,10 +118,27 @@ def _class_path(section: dict[str, Any]) -> dict[str, Any]:
 def _trainer(lightning: dict[str, Any], problems: list[str]) -> tuple[dict[str, Any], Any, int]:
     """unifit's trainer section from Lightning's Trainer arguments (unifit's own keys pass as they are)."""
     out: dict[str, Any] = {"lr_scaling": "none"}
+    devices, num_nodes = _processes(lightning, problems)
+    _map_arguments(lightning, out, problems, "trainer.")
+    if "max_epochs" not in out and "max_steps" not in out:
+        out["max_epochs"] = 1000  # Lightning's when neither is given
+    processes = _count(devices, problems) * int(num_nodes)
+    if out.get("strategy", "auto") == "auto":
+        out["strategy"] = "ddp" if processes > 1 else "single"
+    return out, devices, int(num_nodes)
+
+
+def _processes(lightning: dict[str, Any], problems: list[str]) -> tuple[Any, int]:
+    """Lightning's `devices` and `num_nodes` (taken out of `lightning`): the processes the run asks for."""
     devices, num_nodes = lightning.pop("devices", "auto"), lightning.pop("num_nodes", 1) or 1
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         problems.append(f"trainer.num_nodes: received {num_nodes!r}; give the number of nodes (1 or more)")
         num_nodes = 1
+    return devices, num_nodes
+
+
+def _map_arguments(lightning: dict[str, Any], out: dict[str, Any], problems: list[str], prefix: str) -> None:
+    """Each Lightning Trainer argument into `out` through _MAPPERS; what unifit cannot honour into `problems`."""
     for key, value in lightning.items():
         try:
             if key in _MAPPERS:
@@ -137,13 +154,9 @@ def _trainer(lightning: dict[str, Any], problems: list[str]) -> tuple[dict[str, 
             else:
                 raise ConfigError("not a Lightning Trainer argument unifit knows; remove it")
         except ConfigError as exc:
-            problems.append(f"trainer.{key}: {exc}")
-    if "max_epochs" not in out and "max_steps" not in out:
-        out["max_epochs"] = 1000  # Lightning's when neither is given
-    processes = _count(devices, problems) * int(num_nodes)
-    if out.get("strategy", "auto") == "auto":
-        out["strategy"] = "ddp" if processes > 1 else "single"
-    return out, devices, int(num_nodes)
+            problems.append(f"{prefix}{key}: {exc}")
+        except (TypeError, ValueError):  # int("ten")
+            problems.append(f"{prefix}{key}: received {value!r}; give a number")
 
 
 def _count(devices: Any, problems: list[str]) -> int:
@@ -157,15 +170,103 @@ def _count(devices: Any, problems: list[str]) -> int:
     return 1
 
 
-def check_processes(run: LightningRun, local_world_size: int, world_size: int, source: str) -> None:
-    """The file's `devices` and `num_nodes` against the processes this run has (in a training process)."""
+def from_lightning_keywords(
+    kwargs: dict[str, Any], launched: bool
+) -> tuple[dict[str, Any], list[Any], LightningRun | None]:
+    """`unifit.Trainer(...)`'s keywords where a script written for Lightning's Trainer gives Lightning's arguments:
+    those (and Lightning's spellings of unifit's own, `precision=16`, `max_epochs=-1`, `strategy="auto"`) mapped
+    through the same table as a LightningCLI file's; everything unifit cannot honour in one ConfigError. Returns
+    TrainerConfig's keywords, the logger objects of `logger=`, and the processes asked for (`devices`,
+    `num_nodes`; None when neither is given). `launched`: started by unifit launch, whose --strategy then stands for Lightning's "auto"."""
+    lightning = {key: value for key, value in kwargs.items() if _lightning_spelling(key, value)}
+    asks = "devices" in lightning or "num_nodes" in lightning
+    out = {key: value for key, value in kwargs.items() if key not in lightning}
+    problems: list[str] = []
+    devices, num_nodes = _processes(lightning, problems)
+    if "logger" in lightning and "loggers" in out:
+        problems.append("logger and loggers: give the loggers one way (logger= is Lightning's, loggers= unifit's)")
+    objects = _logger_objects(lightning)
+    mapped: dict[str, Any] = {}
+    _map_arguments(lightning, mapped, problems, "")
+    if mapped.get("strategy") == "auto":
+        del mapped["strategy"]  # one process, or the launch's strategy
+    if (
+        "strategy" not in mapped
+        and "strategy" not in out
+        and not launched
+        and _count(devices, problems) * num_nodes > 1
+    ):
+        mapped["strategy"] = "ddp"  # Lightning's "auto" with several processes
+    for key, value in mapped.items():
+        if key in out and isinstance(out[key], dict) and isinstance(value, dict):
+            out[key] = {**out[key], **value}  # e.g. log_every_n_steps beside tensorboard={...}
+        elif key in out and out[key] != value and key != "loggers":
+            problems.append(f"{key}: given as {out[key]!r} and, by Lightning's argument, as {value!r}; give one")
+        else:
+            out[key] = value
+    if problems:
+        raise ConfigError("Trainer(...) (Lightning's Trainer arguments): " + "; ".join(problems))
+    return out, objects, LightningRun({}, devices, num_nodes) if asks else None
+
+
+def _lightning_spelling(key: str, value: Any) -> bool:
+    """Whether Trainer(key=value) goes through Lightning's mapping: every name in it (Lightning's spellings of
+    unifit's own, precision=16, max_epochs=-1, limit_train_batches=1.0, mean what they mean in Lightning's), but
+    `callbacks` and a strategy that is not Lightning's name."""
+    if key in ("devices", "num_nodes") or key in _DEFAULT_ONLY:
+        return True
+    if key not in _MAPPERS or key == "callbacks":  # callback objects are the Trainer's to sort
+        return False
+    if key == "strategy":  # unifit's own names and Strategy class paths stay unifit's
+        return isinstance(value, str) and value in _STRATEGIES
+    return True
+
+
+def _logger_objects(lightning: dict[str, Any]) -> list[Any]:
+    """The logger objects of Lightning's `logger=` (taken out; its {class_path} entries and True/False stay)."""
+    value = lightning.get("logger")
+    entries = value if isinstance(value, list) else [value]
+    objects = [entry for entry in entries if entry is not None and not isinstance(entry, (bool, dict))]
+    if objects:
+        lightning["logger"] = [entry for entry in entries if isinstance(entry, dict)]  # [] : the objects alone
+    return objects
+
+
+def unifit_form(key: str, value: Any) -> str | None:
+    """unifit's option for Lightning's Trainer argument `key` given `value` (the dotted names its mapping sets), for
+    the hint where a unifit experiment file uses Lightning's name; None when the mapping has none."""
+    if key in ("devices", "num_nodes"):
+        return f"the launch's: unifit launch --{'nproc-per-node' if key == 'devices' else 'nnodes'} N"
+    if key not in _MAPPERS:
+        return None
+    out: dict[str, Any] = {}
+    try:
+        _MAPPERS[key](value, out)
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return ", ".join(_dotted(out)) or None
+
+
+def _dotted(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    return [
+        name
+        for key, value in tree.items()
+        for name in (_dotted(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])
+    ]
+
+
+def check_processes(
+    run: LightningRun, local_world_size: int, world_size: int, source: str, start: str | None = None
+) -> None:
+    """The file's `devices` and `num_nodes` against the processes this run has (in a training process); `start`:
+    what follows the launch's flags in the hint (`-c FILE` by default)."""
     devices = run.devices
     expected = local_world_size if devices in ("auto", -1, "-1", None) else int(devices)
     if (expected, run.num_nodes) != (local_world_size, max(1, world_size // max(1, local_world_size))):
         raise ConfigError(
             f"{source}: trainer.devices {devices!r} and num_nodes {run.num_nodes} ask for {expected} processes on "
             f"each of {run.num_nodes} nodes, this run has {local_world_size} per node and {world_size} in all; start "
-            f"it with unifit launch --nproc-per-node {expected} --nnodes {run.num_nodes} -c {source}"
+            f"it with unifit launch --nproc-per-node {expected} --nnodes {run.num_nodes} {start or f'-c {source}'}"
         )
 
 

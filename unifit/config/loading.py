@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from unifit.config.init_args import check
+from unifit.config.lightning_cli import unifit_form
 from unifit.config.schema import ExperimentConfig, TrainerConfig
 from unifit.errors import ConfigError
 
@@ -139,18 +140,6 @@ def _check_callbacks(config: TrainerConfig) -> None:
         check(callback.class_path, callback.init_args, f"trainer.callbacks.{i}")
 
 
-# Lightning's Trainer arguments, where a unifit experiment file has them (a LightningCLI file maps them itself)
-_LIGHTNING_NAMES = {
-    "log_every_n_steps": "tensorboard.log_every_n_steps",
-    "check_val_every_n_epoch": "validate_every_n_epochs",
-    "default_root_dir": "root_dir",
-    "enable_checkpointing": "checkpoint.enabled",
-    "enable_progress_bar": "progress_bar",
-    "devices": "the processes per node: unifit launch --nproc-per-node N",
-    "num_nodes": "the nodes: unifit launch --nnodes N",
-}
-
-
 def explain(exc: ValidationError, model: type[BaseModel], data: Any, prefix: str = "") -> str:
     """Every error pydantic found, each as 'field: received X; fix', in one line (a file's problems all at once;
     one per field: a union's alternatives are not listed one by one)."""
@@ -177,8 +166,9 @@ def _explain_one(err: Any, model: type[BaseModel], prefix: str) -> str:
     if err["type"] == "extra_forbidden":
         parent = member or _model_at(model, loc[:-1])
         hint = ""
-        if parent is TrainerConfig and loc[-1] in _LIGHTNING_NAMES:
-            return f"unknown key '{field}' (Lightning's name; unifit's is {_LIGHTNING_NAMES[loc[-1]]}); rename it"
+        unifit_name = unifit_form(loc[-1], err.get("input")) if parent is TrainerConfig else None
+        if unifit_name is not None:  # Lightning's Trainer argument: its place in the one mapping (lightning_cli.py)
+            return f"unknown key '{field}' (Lightning's name; unifit's is {unifit_name}); rename it"
         if parent is not None:
             close = difflib.get_close_matches(loc[-1], list(parent.model_fields), n=1)
             hint = (

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import itertools
 import logging
+import re
 from typing import Any, ContextManager, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationInfo, field_validator
 
-from unifit.errors import DistributedError, first_line
+from unifit.errors import ConfigError, DistributedError, first_line
 from unifit.strategies.base import TorchDistributedStrategy
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
@@ -197,10 +199,8 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         """DistributedDataParallel: broadcasts rank 0's parameters, averages gradients in backward."""
         if not self._group_ready():
             return step_module
-        from torch.nn.parallel import DistributedDataParallel
-
         opts = self.options
-        ddp = DistributedDataParallel(
+        ddp = _checked_ddp()(
             step_module,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=opts.find_unused_parameters,
@@ -256,3 +256,48 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
                 f"barrier '{name}' on rank {self.rank} failed within {self.collective_timeout_s:g}s: {first_line(exc)}; "
                 "every rank must call it (e.g. do not call save_checkpoint inside 'if rank == 0')"
             ) from exc
+
+
+# what DDP's reducer says, on every rank, at the forward after a backward that left parameters without gradients
+_UNUSED = "Expected to have finished reduction in the prior iteration"
+
+
+@functools.cache
+def _checked_ddp() -> type:
+    """DistributedDataParallel whose forward answers DDP's unused-parameter error in one line naming the option
+    and the parameters (a target network, a branch not taken); training itself is unchanged."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    class CheckedDDP(DistributedDataParallel):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().forward(*args, **kwargs)
+            except RuntimeError as exc:
+                if _UNUSED not in str(exc):
+                    raise
+                raise ConfigError(unused_parameters_message(self.module, str(exc))) from None
+
+    return CheckedDDP
+
+
+def unused_parameters_message(module: Any, error: str) -> str:
+    """The one line for DDP's unused-parameter error: which parameters (by the indices DDP names) and the fix."""
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", error)
+    trained = [p for p in module.parameters() if p.requires_grad]  # DDP's indices count these
+    indices = [int(i) for i in found.group(1).split()] if found else []
+    named = {id(p): name for name, p in _user_module(module).named_parameters()}
+    names = [named.get(id(trained[i]), f"#{i}") for i in indices if i < len(trained)]
+    which = f"parameters {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}" if names else "some parameters"
+    return (
+        f"ddp: {which} took part in no loss of the last training step, so DistributedDataParallel cannot average "
+        "their gradients; set trainer.strategy_options: {find_unused_parameters: true} (DDP then looks for them each "
+        "step), or set requires_grad=False on parameters that are not trained (a target network)"
+    )
+
+
+def _user_module(module: Any) -> Any:
+    """The module the user wrote, whose parameter names they know (inside unifit's step module: state_module)."""
+    for inner in module.modules():
+        if hasattr(inner, "state_module"):
+            return inner.state_module
+    return module

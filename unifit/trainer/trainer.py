@@ -16,14 +16,18 @@ from typing import Any, Callable
 
 import numpy as np
 
+from unifit._imports import LIGHTNING, derives_from
 from unifit.callbacks import default_callbacks, is_foreign_callback, plan_callbacks
+from unifit.callbacks.checkpoint import ModelCheckpoint
 from unifit.checkpoint.checkpointer import Checkpointer
 from unifit.checkpoint.store import CheckpointStore
 from unifit.config.init_args import build
+from unifit.config.lightning_cli import check_processes, from_lightning_keywords
 from unifit.config.loading import resolved_yaml, validate_trainer, with_updates
 from unifit.config.schema import ExperimentConfig, TrainerConfig
 from unifit.errors import ConfigError, UnifitError
 from unifit.loggers import build_loggers
+from unifit.loggers.foreign import LightningLoggerAdapter
 from unifit.loop.callback import Callback
 from unifit.loop.context import FitContext
 from unifit.loop.dispatcher import Dispatcher
@@ -52,10 +56,20 @@ class Trainer:
     Keyword arguments are the fields of TrainerConfig (see docs/config.md); `callbacks` may
     also hold Callback instances, Lightning callbacks (docs/lightning.md#callbacks) and Keras callbacks
     (docs/keras.md#keras-callbacks-and-modelfits-arguments); `loggers` unifit.loggers.Logger instances and
-    Lightning loggers (docs/loggers.md).
+    Lightning loggers (docs/loggers.md). Lightning's Trainer arguments (`devices=`, `logger=`, `default_root_dir=`...)
+    are taken as a LightningCLI file's, and after fit `trainer.logger`, `callback_metrics`, `checkpoint_callback`...
+    hold what Lightning's would (docs/lightning.md#a-script-written-for-lightnings-trainer).
     """
 
     def __init__(self, config: TrainerConfig | None = None, **kwargs: Any) -> None:
+        # Lightning's Trainer arguments (devices=, logger=, default_root_dir=...), mapped as a LightningCLI file's
+        kwargs, lightning_loggers, processes = from_lightning_keywords(
+            kwargs, bool(os.environ.get(LAUNCH_STRATEGY_ENV))
+        )
+        if processes is not None:  # the processes this script runs in, as Lightning's devices= and num_nodes= ask
+            env = environment.detect()
+            where = "Trainer(devices=..., num_nodes=...)"
+            check_processes(processes, env.local_world_size, env.world_size, where, "-- SCRIPT")
         given = list(kwargs.get("callbacks", []))
         for i, c in enumerate(given):
             if not isinstance(c, (Callback, dict, str)) and not is_foreign_callback(c):
@@ -65,6 +79,7 @@ class Trainer:
             kwargs["callbacks"] = [c for c in given if isinstance(c, (dict, str))]
         named = kwargs.get("loggers")  # logger objects (unifit's or Lightning's) beside names and options
         self.logger_objects: list[Any] = [lg for lg in named or [] if not isinstance(lg, (dict, str))]
+        self.logger_objects += lightning_loggers
         if self.logger_objects:
             kwargs["loggers"] = [lg for lg in named if isinstance(lg, (dict, str))]
         if config is not None and kwargs:
@@ -95,6 +110,7 @@ class Trainer:
         self.state = TrainState()
         self._run: _Run | None = None
         self._loggers: list[Any] = []  # the last fit's, which validate/test after it log to
+        self._last_fit: _FitFacts | None = None  # what Lightning's views after fit read (checkpoint_callback...)
 
     # ---- rank facts, Lightning's names: a script's code after fit runs on every launched rank ----------
     @property
@@ -110,6 +126,51 @@ class Trainer:
     def is_global_zero(self) -> bool:
         """Whether this is the job's rank 0: `if trainer.is_global_zero: model.save(...)` saves once."""
         return self.global_rank == 0
+
+    # ---- Lightning's views after fit: what a script written for Lightning's Trainer reads ------------------
+    @property
+    def loggers(self) -> list[Any]:
+        """The run's loggers (a Lightning logger given is itself): the last fit's, else the ones it will make."""
+        made = self._loggers or build_loggers(self.config, self.logger_objects)
+        return [lg.logger if isinstance(lg, LightningLoggerAdapter) else lg for lg in made]
+
+    @property
+    def logger(self) -> Any:
+        """The first logger (`pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")` with a CSV logger)."""
+        every = self.loggers
+        return every[0] if every else None
+
+    @property
+    def log_dir(self) -> str:
+        """The first logger's directory, else trainer.root_dir (as Lightning's default_root_dir)."""
+        return getattr(self.logger, "log_dir", None) or self.config.root_dir
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (Lightning's global_step)."""
+        return self.state.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """Epochs finished (Lightning's current_epoch after fit: max_epochs when all ran)."""
+        return self.state.epoch
+
+    @property
+    def callback_metrics(self) -> dict[str, Any]:
+        """The last reduced metrics (the module's framework's values: tensors for a PyTorch module, as Lightning's)."""
+        convert = self._last_fit.metric_values if self._last_fit is not None else dict
+        return convert(self.state.metrics)
+
+    @property
+    def checkpoint_callback(self) -> Any:
+        """The Lightning ModelCheckpoint given (kept up to date by the fit), else unifit's checkpoint as one:
+        `.best_model_path`, `.best_model_score`, `.last_model_path`; None with checkpoints off."""
+        given = [cb for cb in self.foreign_callbacks if derives_from(cb, "ModelCheckpoint", *LIGHTNING)]
+        if given:
+            return given[0]
+        if not self.config.checkpoint.enabled:
+            return None
+        return self._last_fit.checkpoint if self._last_fit is not None else CheckpointView(None, None)
 
     # ---- public API ---------------------------------------------------------------------------
     def fit(
@@ -185,6 +246,7 @@ class Trainer:
                 cfg = self._find_batch_size(engine, ctx, given, prepared.plan.reports.get("batch_size_find"))
             if cfg.lr_find is not None:
                 self._find_lr(engine, cfg, prepared.plan.reports.get("lr_find"), resumed=ctx.resumed_from is not None)
+            self._last_fit = _FitFacts(getattr(module, "metric_values", dict), ctx, callbacks)
             dispatch = Dispatcher([cb for cb in callbacks if strategy.is_global_zero or not cb.rank_zero_only], ctx)
             dispatch(Event.SETUP)
             dispatch(Event.FIT_START)
@@ -419,6 +481,50 @@ class Trainer:
         return resolved_yaml(
             ExperimentConfig(module={"class_path": f"{cls.__module__}.{cls.__qualname__}"}, trainer=cfg)
         )
+
+
+class CheckpointView:
+    """unifit's checkpoint callback as Lightning's ModelCheckpoint reads after fit: with a monitor, the best
+    checkpoint's path and score; without one, the last checkpoint (as Lightning's default ModelCheckpoint)."""
+
+    def __init__(
+        self, saver: ModelCheckpoint | None, ctx: FitContext | None, metric_values: Callable[..., Any] = dict
+    ) -> None:
+        self._saver, self._ctx, self._values = saver, ctx, metric_values
+
+    @property
+    def monitor(self) -> str | None:
+        return self._saver.config.monitor if self._saver is not None else None
+
+    @property
+    def last_model_path(self) -> str:
+        return (self._ctx.last_checkpoint if self._ctx is not None else None) or ""
+
+    @property
+    def best_model_path(self) -> str:
+        name = self._saver.best_name if self._saver is not None else None
+        if name is None or not self.last_model_path:
+            return self.last_model_path
+        return f"{self.last_model_path.rsplit('/', 1)[0]}/{name}"
+
+    @property
+    def best_model_score(self) -> Any:
+        value = self._saver.best_value if self._saver is not None else None
+        return None if value is None else self._values({"score": value})["score"]
+
+
+@dataclass
+class _FitFacts:
+    """What the views after fit read of the last fit."""
+
+    metric_values: Callable[[dict[str, float]], dict[str, Any]]
+    ctx: FitContext
+    callbacks: list[Callback]
+
+    @property
+    def checkpoint(self) -> CheckpointView:
+        saver = next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+        return CheckpointView(saver, self.ctx, self.metric_values)
 
 
 def _with_fit_arguments(

@@ -47,6 +47,11 @@ class TrainModule(ModuleBase, torch.nn.Module):
         adapter names the module it wraps)."""
         return self
 
+    @staticmethod
+    def metric_values(metrics: dict[str, float]) -> dict[str, torch.Tensor]:
+        """Reduced metrics as Lightning's trainer.callback_metrics holds them: tensors."""
+        return {name: torch.tensor(value) for name, value in metrics.items()}
+
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define training_step(batch, batch_idx)")
 
