@@ -214,16 +214,30 @@ tf.distribute.Server(tf.train.ClusterSpec(config["cluster"]), job_name="ps", tas
 """
 
 
+# what SageMaker's entry point is given: an experiment, or a user's script (hyperparameter `script`) that makes
+# unifit.Trainer(strategy="parameter-server") itself; each logs its validation accuracy under its own name
+SAGEMAKER_ENTRIES = {
+    "experiment": (
+        ["--config", DIGITS, "--trainer.strategy", "parameter-server", "--trainer.max_epochs", "3"],
+        ["--trainer.progress_bar", "false", "--trainer.root_dir"],
+        "val/acc",
+    ),
+    "script": (["--script", "tests/probe/tf_ps_trainer.py"], ["--root-dir"], "val/accuracy"),
+}
+
+
 @pytest.mark.launch
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("given", sorted(SAGEMAKER_ENTRIES))
 def test_sagemakers_parameter_server_distribution_runs_the_chief_on_the_master_and_serves_on_the_other_hosts(
-    tmp_path,
+    tmp_path, given
 ):
     """What SageMaker's TensorFlow toolkit does with distribution={"parameter_server": {"enabled": True}} on two
     hosts (its `_build_tf_config_for_ps`, free ports here instead of its fixed 2222 and 2223 so both hosts fit on
     one machine): a parameter server on each host, started by the toolkit with the TF 1 name "master" in its
-    cluster, then the entry point on each host with TF_CONFIG. The master trains as the chief; the worker host's
-    entry point serves until the chief ends, then ends by itself."""
+    cluster, then the entry point on each host with TF_CONFIG. The master trains as the chief (an experiment, or a
+    user's script run as the chief); the worker host's entry point serves until the chief ends, then ends by
+    itself."""
     hosts = ["127.0.0.1", "localhost"]
     master, worker, *ps = [f"{host}:{port}" for host, port in zip(hosts + hosts, _free_ports(4))]
     cluster = {"master": [master], "ps": ps, "worker": [worker]}
@@ -236,16 +250,17 @@ def test_sagemakers_parameter_server_distribution_runs_the_chief_on_the_master_a
         subprocess.Popen([sys.executable, "-c", _TOOLKIT_PS], env={**os.environ, **env("ps", i, hosts[i])})
         for i in range(2)
     ]
-    entry = ["examples/sagemaker/train.py", "--config", DIGITS, "--trainer.strategy", "parameter-server"]
-    entry += ["--trainer.max_epochs", "3", "--trainer.root_dir", str(tmp_path), "--trainer.progress_bar", "false"]
+    what, where, accuracy = SAGEMAKER_ENTRIES[given]
+    entry = ["examples/sagemaker/train.py", *what, *where, str(tmp_path)]
     try:
         serving = start_python(*entry, env=env("worker", 0, hosts[1]))
         chief = start_python(*entry, env=env("master", 0, hosts[0]))
-        out, err = stop(chief, timeout=180)
+        out, err = stop(chief, timeout=240)
         assert chief.returncode == 0, err[-3000:]
         assert "1 worker(s), 2 parameter server(s)" in err, err[-3000:]
         lines = metrics_lines(tmp_path)
-        assert [line["epoch"] for line in lines] == [1, 2, 3] and lines[-1]["val/acc"] >= 0.9, lines[-1]
+        assert [line["epoch"] for line in lines] == [1, 2, 3] and lines[-1][accuracy] >= 0.9, lines[-1]
+        assert lines[-1]["val/loss"] < lines[0]["val/loss"], lines
         _, served = stop(serving, timeout=30)
         assert serving.returncode == 0 and f"the chief at {master} ended" in served, served[-3000:]
     finally:

@@ -1,23 +1,16 @@
 """TensorFlow users' own scripts under unifit's launches (issue #53): TensorFlow's parameter-server tutorial runs,
-unchanged but for Keras 3, as the coordinator of the cluster `unifit launch --strategy parameter-server` starts; a
-script that makes `unifit.Trainer(strategy="parameter-server")` trains under SageMaker's parameter_server
-distribution (emulated as tests/test_parameter_server.py does); the Keras multi-worker tutorial's model and data
+unchanged but for Keras 3, as the coordinator of the cluster `unifit launch --strategy parameter-server` starts (a
+script under SageMaker's parameter_server distribution: tests/test_parameter_server.py); the Keras multi-worker tutorial's model and data
 through the Trainer under `unifit launch --strategy mwms` exit 0 on both workers, and a script that fails after
 training exits non-zero."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import metrics_lines, run_together, run_unifit, start_python, stop
-from tests.test_parameter_server import _TOOLKIT_PS
-from unifit.strategies.launchers.tf_config import _free_ports
+from tests.helpers import metrics_lines, run_together, run_unifit
 
 PS_TUTORIAL = "tests/probe/tf_ps_tutorial.py"
 PS_TRAINER_SCRIPT = "tests/probe/tf_ps_trainer.py"
@@ -37,43 +30,6 @@ def test_tensorflows_parameter_server_tutorial_runs_as_the_coordinator_of_a_laun
     accuracy = [float(a) for a in re.findall(r"Finished epoch \d, accuracy is (\d+\.\d+)", result.stdout)]
     evaluated = float(re.search(r"Evaluation accuracy: (\d+\.\d+)", result.stdout).group(1))
     assert len(accuracy) == 4 and accuracy[-1] >= 0.9 and evaluated >= 0.9, result.stdout
-
-
-@pytest.mark.launch
-@pytest.mark.tf
-@pytest.mark.timeout(300)
-def test_sagemakers_parameter_server_distribution_runs_a_trainer_script_on_the_master(tmp_path):
-    """SageMaker's toolkit with distribution={"parameter_server": ...} on two hosts (free ports on one machine): its
-    parameter server on each host, then the entry point with the hyperparameter `script` on each host. The master
-    runs the script as the chief; the worker host serves until the chief ends, then ends by itself."""
-    hosts = ["127.0.0.1", "localhost"]
-    master, worker, *ps = [f"{host}:{port}" for host, port in zip(hosts + hosts, _free_ports(4))]
-    cluster = {"master": [master], "ps": ps, "worker": [worker]}
-
-    def env(kind: str, index: int, host: str) -> dict[str, str]:
-        task = {"cluster": cluster, "environment": "cloud", "task": {"index": index, "type": kind}}
-        return {"TF_CONFIG": json.dumps(task), "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": host}
-
-    servers = [
-        subprocess.Popen([sys.executable, "-c", _TOOLKIT_PS], env={**os.environ, **env("ps", i, hosts[i])})
-        for i in range(2)
-    ]
-    entry = ["examples/sagemaker/train.py", "--script", PS_TRAINER_SCRIPT, "--root-dir", str(tmp_path)]
-    try:
-        serving = start_python(*entry, env=env("worker", 0, hosts[1]))
-        chief = start_python(*entry, env=env("master", 0, hosts[0]))
-        _, err = stop(chief, timeout=240)
-        assert chief.returncode == 0, err[-4000:]
-        assert "1 worker(s), 2 parameter server(s)" in err, err[-3000:]
-        lines = metrics_lines(tmp_path)
-        assert [line["epoch"] for line in lines] == [1, 2, 3], lines
-        assert lines[-1]["val/loss"] < lines[0]["val/loss"] and lines[-1]["val/accuracy"] >= 0.9, lines
-        _, served = stop(serving, timeout=30)
-        assert serving.returncode == 0 and f"the chief at {master} ended" in served, served[-3000:]
-    finally:
-        for server in servers:
-            server.kill()
-            server.wait()
 
 
 @pytest.mark.launch
