@@ -90,9 +90,9 @@ def test_keras_callbacks_end_a_fit_as_model_fit_ends_it(tmp_path):
     theirs, their_callbacks = _model(), _callbacks(tmp_path / "keras")
     theirs.fit(train, validation_data=val, epochs=8, callbacks=their_callbacks, verbose=0)
     ours, our_callbacks = _model(), _callbacks(tmp_path / "unifit")
-    state = unifit.Trainer(max_epochs=8, root_dir=str(tmp_path / "run"), callbacks=our_callbacks, **QUIET).fit(
-        ours, data={"train": train, "val": val}
-    )
+    trainer = unifit.Trainer(max_epochs=8, root_dir=str(tmp_path / "run"), callbacks=our_callbacks, **QUIET)
+    trainer.fit(ours, data={"train": train, "val": val})  # returns model.fit's History; the fit's state:
+    state = trainer.state
 
     stopped = their_callbacks[0].stopped_epoch
     assert 0 < stopped < 7 and our_callbacks[0].stopped_epoch == stopped  # EarlyStopping stopped both alike
@@ -126,7 +126,8 @@ def test_model_fits_arguments_class_weight_validation_freq_and_initial_epoch(tmp
     theirs.fit(train, validation_data=val, epochs=4, callbacks=[schedule, recorded_theirs], verbose=0, **arguments)
     ours, recorded = _model(), Recorder()
     trainer = unifit.Trainer(max_epochs=4, root_dir=str(tmp_path), callbacks=[schedule, recorded], **QUIET)
-    state = trainer.fit(ours, data={"train": train, "val": val}, **arguments)
+    trainer.fit(ours, data={"train": train, "val": val}, **arguments)
+    state = trainer.state
     assert state.epoch == 4 and [e for e, _ in recorded.epochs] == [e for e, _ in recorded_theirs.epochs] == [1, 2, 3]
     assert ["val_loss" in logs for _, logs in recorded.epochs] == [True, False, True]  # (epoch + 1) % 2 == 0
     assert recorded.lrs == pytest.approx(recorded_theirs.lrs) == [0.05, 0.1 / 3, 0.025]
@@ -163,7 +164,8 @@ def test_backup_and_restore_and_tensorboard_map_onto_unifits_own(tmp_path):
         callbacks = [keras.callbacks.BackupAndRestore(str(backup)), keras.callbacks.TensorBoard(str(logs)), reduce]
         options = {key: value for key, value in QUIET.items() if key != "tensorboard"}
         trainer = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "run"), callbacks=[*callbacks, *more], **options)
-        return trainer.fit(_model(), data={"train": train, "val": val})
+        trainer.fit(_model(), data={"train": train, "val": val})
+        return trainer.state
 
     with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
         run(_Interrupt(2))
@@ -196,9 +198,9 @@ def test_endless_pipelines_with_steps_per_epoch_and_validation_steps_read_on_as_
         endless(), validation_data=endless_val(), epochs=3, steps_per_epoch=5, validation_steps=3, verbose=0
     )
     ours, recorder = _model(), Recorder()
-    state = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "whole"), callbacks=[recorder], **QUIET).fit(
-        ours, data={"train": endless(), "val": endless_val()}, steps_per_epoch=5, validation_steps=3
-    )
+    trainer = unifit.Trainer(max_epochs=3, root_dir=str(tmp_path / "whole"), callbacks=[recorder], **QUIET)
+    trainer.fit(ours, data={"train": endless(), "val": endless_val()}, steps_per_epoch=5, validation_steps=3)
+    state = trainer.state
     assert state.global_step == 15
     for a, b in zip(ours.get_weights(), theirs.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

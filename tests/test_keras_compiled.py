@@ -35,7 +35,8 @@ def _fit(model, data, tmp_path, **options):
     trainer = unifit.Trainer(
         max_epochs=EPOCHS, batch_size=N_TRAIN, root_dir=str(tmp_path), progress_bar=False, seed=0, **options
     )
-    return trainer.fit(model, data=data)
+    trainer.fit(model, data=data)  # returns model.fit's History; the fit's state:
+    return trainer.state
 
 
 def _close(a, b, tol=1e-5):
@@ -58,9 +59,9 @@ def test_a_batched_pipeline_trains_with_its_own_batch_size(tmp_path):
     initial = model.get_weights()
     x, y = arrays(N_TRAIN, seed=1)
     pipeline = tf.data.Dataset.from_tensor_slices((x, y)).batch(N_TRAIN).map(lambda a, b: (a * 2.0, b))
-    state = unifit.Trainer(max_epochs=EPOCHS, root_dir=str(tmp_path), progress_bar=False, seed=0).fit(
-        model, data={"train": pipeline}
-    )
+    trainer = unifit.Trainer(max_epochs=EPOCHS, root_dir=str(tmp_path), progress_bar=False, seed=0)
+    trainer.fit(model, data={"train": pipeline})
+    state = trainer.state
     assert state.progress.global_batch == N_TRAIN and state.progress.steps_per_epoch == 1
     reference = compiled_model("objects")
     reference.set_weights(initial)

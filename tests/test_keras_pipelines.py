@@ -94,7 +94,9 @@ class PipelineModule(unifit.KerasModule):
 
 def _fit(module, root, **options):
     options = {"max_epochs": 3, "batch_size": 4, "seed": 0, "progress_bar": False, **options}
-    return unifit.Trainer(root_dir=str(root), **options).fit(module)
+    trainer = unifit.Trainer(root_dir=str(root), **options)
+    trainer.fit(module)  # returns model.fit's History; the fit's state:
+    return trainer.state
 
 
 def _epoch_values(root, name):
@@ -171,9 +173,9 @@ def test_sample_weights_weigh_the_loss(tmp_path, form):
     options = {"max_epochs": 3, "seed": 0, "progress_bar": False, "lr_scaling": "none"}
     weighted = compiled_model()
     data = (x, y, w) if form == "arrays" else tf.data.Dataset.from_tensor_slices((x, y, w))
-    state = unifit.Trainer(batch_size=32, root_dir=str(tmp_path / "w"), **options).fit(
-        weighted, data={"train": data, "val": (x, y, w)}
-    )
+    trainer = unifit.Trainer(batch_size=32, root_dir=str(tmp_path / "w"), **options)
+    trainer.fit(weighted, data={"train": data, "val": (x, y, w)})
+    state = trainer.state
     half = compiled_model()
     unifit.Trainer(batch_size=16, root_dir=str(tmp_path / "h"), **options).fit(half, data=(x[:16], y[:16]))
     reference = compiled_model()

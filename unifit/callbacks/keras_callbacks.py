@@ -22,6 +22,7 @@ from typing import Any
 
 from unifit.callbacks.agreement import agree_on_asked_stop
 from unifit.callbacks.keras_mapping import RANK_ZERO, keras_kind
+from unifit.frameworks.keras.history import keras_logs
 from unifit.loop.callback import Callback
 
 _BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
@@ -97,24 +98,6 @@ class KerasBatchCallbacks(KerasCallbacks):
         if step != self._agreed_step and step % ctx.config.preemption.check_every_n_steps == 0:
             self._agreed_step = step
             agree_on_asked_stop(ctx)
-
-
-def keras_logs(metrics: dict[str, float], only_validation: bool = False) -> dict[str, float]:
-    """unifit's metric names as model.fit's logs name them: train/loss -> loss, val/acc -> val_acc, lr ->
-    learning_rate; other names as they are."""
-    logs: dict[str, float] = {}
-    for name, value in metrics.items():
-        if name.startswith("val/"):
-            logs["val_" + name[4:]] = value
-        elif only_validation:
-            continue
-        elif name.startswith("train/"):
-            logs[name[6:]] = value
-        elif name == "lr":
-            logs["learning_rate"] = value
-        elif not name.startswith(("throughput/", "lr/")):  # unifit's own measures are not model.fit's logs
-            logs[name] = value
-    return logs
 
 
 class KerasModelView:

@@ -79,14 +79,9 @@ def _progress(cb: Any, plan: Any) -> dict[str, Any]:
     return {"progress_bar": True}
 
 
-def _history(cb: Any, plan: Any) -> dict[str, Any]:
-    return {}
-
-
 # Keras' class name -> the updates to the trainer config it becomes
 MAPPED: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "TensorBoard": _tensorboard,
     "BackupAndRestore": _backup_and_restore,
     "ProgbarLogger": _progress,
-    "History": _history,
 }

@@ -42,6 +42,7 @@ from unifit.frameworks.base import Engine  # noqa: E402
 from unifit.frameworks.keras.data import LazyData, unbatched, with_class_weight  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
+from unifit.frameworks.keras.history import FitHistory  # noqa: E402
 from unifit.frameworks.keras.lr import LearningRateControl, with_policy  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.keras.stateful import KerasMetricValue  # noqa: E402
@@ -82,6 +83,7 @@ class KerasEngine(KerasEvaluation, Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stateful: dict[str, dict[str, KerasMetricValue]] = {}  # per phase (prefix), made at first use
+        self._history = FitHistory()  # what fit returns
 
     def setup(self) -> None:
         cfg, strategy = self.config, self.strategy
@@ -153,7 +155,9 @@ class KerasEngine(KerasEvaluation, Engine):
             self._batches = min(self._batches, cfg.limit_train_batches)
         self.module.stepping_batches = self._fit_length(self._batches)
         cfg = self.config  # max_steps: with the epochs it spans
-        val, val_presharded = self._rank_data(self.data.val_dataset())
+        # a data provider need not have validation data (TensorFlow's parameter-server tutorial's has none)
+        val_dataset = getattr(self.data, "val_dataset", None)
+        val, val_presharded = self._rank_data(val_dataset() if val_dataset is not None else None)
         if val is not None and cfg.limit_val_batches != 0 and isinstance(val, tf.data.Dataset):
             self.val_lazy = self._lazy(val, "val_dataset()", val_presharded, endless_ok=True)
             if not self.val_lazy.endless:
@@ -493,6 +497,14 @@ class KerasEngine(KerasEvaluation, Engine):
         epoch's checkpoint and validation."""
         self.training.wait_for_steps("the end of the epoch")
         self._agree_on_statistics()
+
+    def epoch_metrics(self, metrics: dict[str, float], validated: bool) -> None:
+        self._history.add_epoch(metrics)
+
+    def fit_result(self, state: Any) -> Any:
+        """A keras.callbacks.History, as model.fit returns (and sets as the user's model.history)."""
+        model = getattr(self.module, "user_model", None) or getattr(self.module, "model", None)
+        return self._history.history(state.progress.epoch, self.batches_per_epoch, self.config.max_epochs, model)
 
     def _agree_on_statistics(self) -> None:
         """BatchNormalization's moving mean and variance (non-trainable float variables) follow each process's
