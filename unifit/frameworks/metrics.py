@@ -24,6 +24,7 @@ import numpy as np
 from unifit.errors import ConfigError, DistributedError
 
 STATEFUL = "__stateful__"  # the key of the metric objects' states in a collector's state_dict
+SAMPLES = "__samples__"  # the key of the samples trained on in a collector's state_dict
 KINDS = "__kinds__"  # the key of the keys' reductions that are not the default in a collector's state_dict
 REDUCTIONS = ("mean", "sum", "max", "min")
 RANK_ZERO = "@rank0"  # a kind's suffix: the value of rank 0 alone (reduced over its own steps)
@@ -38,22 +39,44 @@ class MetricCollector:
         self._stateful: dict[str, Any] = {}  # name -> a metric object the module updates itself
         self._resumed: dict[str, Any] = {}  # name -> a stateful metric's state from a mid-epoch checkpoint
         self._last_totals: dict[str, float] = {}
+        self._samples = 0  # samples the engine trained on in this phase (count_samples)
+        self._last_samples = 0.0
         self.batch_count = 1  # samples in the current batch: the default weight of self.log
 
     def last_total(self, name: str) -> float:
         """Samples counted for `name` over all ranks in the last reduce."""
         return self._last_totals.get(name, 0.0)
 
+    def count_samples(self, count: int) -> None:
+        """The engine trained on `count` more samples (whatever its step logs: a GAN's has no loss)."""
+        self._samples += count
+
+    @property
+    def last_samples(self) -> float:
+        """Samples counted over all ranks in the last reduce."""
+        return self._last_samples
+
     def reset(self) -> None:
         self._entries = {}
+        self._samples = 0
         self._kinds = {}
         for metric in self._stateful.values():
             metric.reset()
         self._stateful = {}
         self._resumed = {}
 
-    def add(self, name: str, value: Any, count: int, reduce_fx: str = "mean", rank_zero_only: bool = False) -> None:
-        """Record `value` for `name` (weighted by `count` samples for "mean"); `reduce_fx` is one of REDUCTIONS."""
+    def add(
+        self,
+        name: str,
+        value: Any,
+        count: int,
+        reduce_fx: str = "mean",
+        rank_zero_only: bool = False,
+        keep_last: bool = False,
+    ) -> None:
+        """Record `value` for `name` (weighted by `count` samples for "mean"); `reduce_fx` is one of REDUCTIONS.
+        keep_last: the phase's value is the last one recorded (weighted by every count), as model.fit logs what
+        a model's own step returns when it is no metric's result."""
         if is_stateful(value):  # its own states accumulate; the object is computed at the end
             if name in self._resumed:  # the epoch's batches before a mid-epoch checkpoint count too
                 value.merge(self._resumed.pop(name))
@@ -70,6 +93,9 @@ class MetricCollector:
         entry = self._entries.get(name)
         if entry is None:
             entry = self._entries[name] = ([], [])
+        if keep_last and entry[0]:
+            entry[0][:], entry[1][:] = [value], [entry[1][0] + count]
+            return
         entry[0].append(value)
         entry[1].append(count)
 
@@ -83,12 +109,15 @@ class MetricCollector:
             out[STATEFUL] = {name: metric.state() for name, metric in self._stateful.items()}
         if self._kinds:
             out[KINDS] = dict(self._kinds)
+        if self._samples:
+            out[SAMPLES] = self._samples
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self._resumed = dict(state.pop(STATEFUL, {}))
         self._kinds = dict(state.pop(KINDS, {}))
+        self._samples = int(state.pop(SAMPLES, 0))
         self._entries = {name: (list(values), list(counts)) for name, (values, counts) in state.items()}
 
     def latest(self, name: str) -> Any:
@@ -115,7 +144,8 @@ class MetricCollector:
         stateful = sorted(key for key, kind in kinds.items() if kind == _OBJECT and key in self._stateful)
         out.update({key: _computed_over_ranks(key, self._stateful[key], strategy) for key in stateful})
         summed = [key for key, kind in kinds.items() if kind in ("mean", "sum")]
-        sums = np.zeros(2 * len(summed), dtype=np.float64)
+        sums = np.zeros(2 * len(summed) + 1, dtype=np.float64)
+        sums[-1] = self._samples
         for i, key in enumerate(summed):
             if key in self._entries:
                 means, counts = self._means(key), np.asarray(self._entries[key][1], dtype=np.float64)
@@ -123,6 +153,7 @@ class MetricCollector:
                 sums[len(summed) + i] = float(counts.sum())
         totals = strategy.all_reduce_sum(sums if strategy.reports_metrics(strategy.rank) else np.zeros_like(sums))
         self.reset()
+        self._last_samples = float(totals[-1])
         self._last_totals = {key: float(totals[len(summed) + i]) for i, key in enumerate(summed)}
         for i, key in enumerate(summed):
             count = totals[len(summed) + i]

@@ -426,7 +426,7 @@ class Trainer:
             metrics = engine.collector.reduce(strategy)
             # the slowest rank's time, so every rank holds identical metrics
             elapsed = float(strategy.all_reduce_max(np.array([time.perf_counter() - started]))[0])
-            samples = engine.collector.last_total("train/loss")
+            samples = engine.collector.last_samples
             progress.samples_seen += int(samples)
             metrics["throughput/samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
             metrics.update(_lr_metrics(engine))

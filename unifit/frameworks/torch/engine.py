@@ -370,6 +370,7 @@ class TorchEngine(TorchEvaluation, Engine):
             return None
         loss = loss.detach()  # kept as a tensor, on CPU too (one code path): read once at epoch end, no sync per step
         self.collector.add("train/loss", loss, count)
+        self.collector.count_samples(count)
         return loss
 
     def _forward_backward(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
