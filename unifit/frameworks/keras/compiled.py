@@ -17,6 +17,10 @@
 What compile() offers that unifit cannot honour (loss_weights, several outputs, weighted_metrics,
 run_eagerly, steps_per_execution > 1) is refused in one line naming the argument.
 
+A model with its own step (it overrides train_step, test_step or compute_loss, or is compiled without a
+loss: keras-io's VAE and GANs) is trained by that step, as model.fit trains it (frameworks/keras/own_step.py);
+its data may then be x alone, as model.fit(x) takes it.
+
 From YAML, `model` may instead be the dotted path of a function returning the compiled model
 (`model_args` its arguments): it is then called in build_model(), inside the strategy's scope and
 after the strategy was made, which mirrored on logical CPUs and mwms need (they must be set up before
@@ -36,6 +40,7 @@ from unifit._imports import load_object
 from unifit.errors import ConfigError
 from unifit.frameworks.keras.data import check_dataset
 from unifit.frameworks.keras.module import KerasModule
+from unifit.frameworks.keras.own_step import built_for, model_optimizers, own_methods
 
 log = logging.getLogger("unifit")
 _COMPILE_FIRST = "call model.compile(optimizer=..., loss=...) first"
@@ -57,6 +62,7 @@ class CompiledModel(KerasModule):
         self.hooks: list[Any] = []
         self._built: Any = None  # the model unifit trains (a copy, or the model the factory built)
         self.user_model: Any = None
+        self._originals: dict[str, Any] = {}  # a model trained as it is: its own optimizers, given back after fit
         self.factory: Any = None
         if isinstance(model, keras.Model):
             if model_args:
@@ -79,16 +85,15 @@ class CompiledModel(KerasModule):
         self.user_model = model
         self.name = type(model).__name__
         where = f"module: {self.name}"
-        if (
-            not getattr(model, "compiled", False)
-            or getattr(model, "optimizer", None) is None
-            or getattr(model, "loss", None) is None
-        ):
-            raise ConfigError(f"{where} is not compiled (no optimizer or loss); {_COMPILE_FIRST}")
+        if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+            raise ConfigError(f"{where} is not compiled (no optimizer); {_COMPILE_FIRST}")
         compile_config = getattr(model, "_compile_config", None)
         config = dict(compile_config.config) if compile_config is not None else {}
+        self._compile_config = config
+        # its own train_step (a VAE, a GAN) or no loss (add_loss() only): Keras' step, run as model.fit runs it
+        self.own_step = bool(own_methods(model)) or getattr(model, "loss", None) is None
         for argument in ("loss_weights", "weighted_metrics"):
-            if config.get(argument) is not None:
+            if config.get(argument) is not None and not self.own_step:
                 raise ConfigError(
                     f"{where}: model.compile({argument}=...) is not supported by unifit yet; "
                     f"compile without {argument} (one loss, unweighted metrics)"
@@ -103,14 +108,17 @@ class CompiledModel(KerasModule):
                 f"{where}: model.compile(steps_per_execution={config['steps_per_execution']}); unifit "
                 "runs one batch per step call: compile with steps_per_execution=1"
             )
-        if len(getattr(model, "outputs", None) or [None]) > 1:
+        if len(getattr(model, "outputs", None) or [None]) > 1 and not self.own_step:
             raise ConfigError(
                 f"{where} has {len(model.outputs)} outputs; unifit trains models with one output and one loss for now"
             )
         # jit_compile is not read: Keras resolves its default 'auto' to True on GPUs, so it cannot be told
         # from an explicit True; trainer.compile decides whether the step is compiled by XLA (docs/keras.md)
-        self._loss = self._resolve_loss(model.loss, where)
-        self._metrics = self._resolve_metrics(config.get("metrics", None), where)
+        if self.own_step:  # its step computes the loss and updates its metrics
+            self._loss, self._metrics = None, []
+        else:
+            self._loss = self._resolve_loss(model.loss, where)
+            self._metrics = self._resolve_metrics(config.get("metrics", None), where)
         optimizer = model.optimizer
         optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer: trainer.precision scales
         self._optimizer_class, self._optimizer_config = type(optimizer), optimizer.get_config()
@@ -264,6 +272,34 @@ class CompiledModel(KerasModule):
             values[name] = _per_example(fn(y, y_pred))
         return values
 
+    # ---- its own step ---------------------------------------------------------------------------
+    def prepare_own_step(self, model: Any, optimizer: Any, twin: Any) -> dict[str, Any]:
+        """Give `model` (built in the strategy's scope) unifit's optimizers for its own step: `optimizer` as
+        model.optimizer, and `twin(o)` for every other optimizer it holds (a GAN's). Returns them by attribute."""
+        if not self.compile_copy(model, optimizer):
+            if model is self.user_model:
+                self._originals = model_optimizers(model)
+            model.optimizer = optimizer
+        for name, own in model_optimizers(model).items():
+            if name != "optimizer":
+                setattr(model, name, twin(own))
+        return model_optimizers(model)
+
+    def compile_copy(self, model: Any, optimizer: Any) -> bool:
+        """A copy of the user's model (built in the strategy's scope) compiled as the user compiled theirs, with
+        `optimizer`; False where `model` is the user's own or the factory's (compiled already)."""
+        if model is self.user_model or self.factory is not None:
+            return False
+        if type(model).compile is not keras.Model.compile:
+            raise ConfigError(
+                f"module: {self.name} defines its own compile(), which unifit cannot repeat on the copy "
+                f"{type(tf.distribute.get_strategy()).__name__} needs in its scope; pass a function that builds "
+                "and compiles the model (Trainer.fit(model=make_model) or module.init_args.model: "
+                f"pkg.make_model), or train it as is with trainer.strategy {_AS_IS}"
+            )
+        model.compile(**{**self._compile_config, "optimizer": optimizer})
+        return True
+
     # ---- data -----------------------------------------------------------------------------------
     def train_dataset(self) -> Any:
         return _checked(self._split()[0], "train")
@@ -309,19 +345,28 @@ class CompiledModel(KerasModule):
             if not user.weights and getattr(built, "inputs", None):
                 user.build(built.inputs[0].shape)
             user.set_weights(built.get_weights())
+        if self._originals:  # trained as it is: its own optimizers back, with the trained ones' state
+            for name, own in self._originals.items():
+                trained_one = getattr(user, name)
+                setattr(user, name, own)
+                rate = self.learning_rate.get() if name == "optimizer" else float(trained_one.learning_rate)
+                _copy_optimizer_state(trained_one, own, built_for(trained_one), rate)
+            return
         trained = getattr(self, "trained_optimizer", None)
         if trained is not None and getattr(user, "optimizer", None) is not None:
-            _copy_optimizer_state(trained, user, self.learning_rate.get())
+            _copy_optimizer_state(trained, user.optimizer, user.trainable_variables, self.learning_rate.get())
 
 
-def _copy_optimizer_state(trained: Any, user: Any, learning_rate: float) -> None:
-    """The trained optimizer's step count and slot variables (momenta, ...) into `user.optimizer` (built for the
-    user's variables first), and the rate its next step would take where the user's rate is a number. The trained
+def _copy_optimizer_state(trained: Any, own: Any, variables: list[Any], learning_rate: float) -> None:
+    """The trained optimizer's step count and slot variables (momenta, ...) into the user's optimizer `own` (built
+    for `variables` first), and the rate its next step would take where the user's rate is a number. The trained
     one's rate is unifit's schedule (scaling, warmup): its variables are matched without it, slot by slot."""
-    own = getattr(user.optimizer, "inner_optimizer", user.optimizer)  # a LossScaleOptimizer of a mixed policy
+    own = getattr(own, "inner_optimizer", own)  # a LossScaleOptimizer of a mixed policy
     trained = getattr(trained, "inner_optimizer", trained)
+    if not trained.built:  # never stepped (a GAN's compiled optimizer its step does not use)
+        return
     if not own.built:
-        own.build(user.trainable_variables)
+        own.build(variables)
     own_rate, trained_rate = getattr(own, "_learning_rate", None), getattr(trained, "_learning_rate", None)
     slots = [v for v in own.variables if v is not own.iterations and v is not own_rate]
     trained_slots = [v for v in trained.variables if v is not trained.iterations and v is not trained_rate]
@@ -413,8 +458,10 @@ def _checked(data: Any, split: str) -> Any:
     if isinstance(data, tf.data.Dataset):
         check_dataset(data, f"data ({split})", endless_ok=split in ("train", "val"))  # fit asks for their steps
         return data
-    if isinstance(data, (tuple, list)) and len(data) >= 2:
+    if isinstance(data, (tuple, list)) and len(data) >= 1:
         return tuple(np.asarray(a) if not isinstance(a, np.ndarray) else a for a in data)
+    if isinstance(data, np.ndarray):  # x alone, for a model with its own step (the engine checks)
+        return data
     raise ConfigError(
         f"data ({split}): received {type(data).__name__}; give arrays (x, y[, sample_weight]), an "
         "unbatched tf.data.Dataset of (x, y[, sample_weight]) or a data provider "

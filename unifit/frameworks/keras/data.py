@@ -55,6 +55,26 @@ def unbatched(data: Any) -> tuple[Any, int | None]:
     return (data.unbatch(), size) if size is not None else (data, None)
 
 
+def x_alone(data: Any) -> tuple[Any, bool]:
+    """(data, whether it has targets): x alone (an array, (x,), a pipeline of single elements), as model.fit(x)
+    takes it for a model with its own train_step, gets a placeholder target its step never sees."""
+    if isinstance(data, tf.data.Dataset):
+        if isinstance(data.element_spec, tuple) and len(data.element_spec) != 1:
+            return data, True
+        batched = batch_size_of(data) is not None
+
+        def placeholder(*x: Any) -> Any:
+            x = x[0]
+            return x, tf.zeros(tf.shape(tf.nest.flatten(x)[0])[:1]) if batched else tf.constant(0.0)
+
+        return data.map(placeholder), False
+    if isinstance(data, (tuple, list)) and len(data) == 1:
+        data = data[0]
+    if isinstance(data, np.ndarray) or tf.is_tensor(data):
+        return (np.asarray(data), np.zeros(len(data), np.float32)), False
+    return data, True
+
+
 def arrays(data: Any, what: str) -> tuple[np.ndarray, ...]:
     """(x, y) or (x, y, sample_weight) arrays; a finite tf.data.Dataset is read into arrays
     (only validate/test/predict still do this; fit keeps a dataset lazy, see LazyData)."""
@@ -129,11 +149,12 @@ def check_dataset(data: Any, what: str, endless_ok: bool = False) -> None:
     """One line for a dataset unifit cannot batch: not (x, y[, w]) elements, batched, or endless where it cannot
     be (`endless_ok`: training, whose steps_per_epoch the engine then requires, as model.fit does)."""
     spec = data.element_spec
-    if not isinstance(spec, tuple) or len(spec) not in (2, 3):
-        shown = f"a tuple of {len(spec)}" if isinstance(spec, tuple) else type(spec).__name__
+    if isinstance(spec, dict) or (isinstance(spec, tuple) and len(spec) not in (1, 2, 3)):
+        shown = f"a tuple of {len(spec)}" if isinstance(spec, tuple) else "dicts"
         raise ConfigError(
             f"{what}: the tf.data.Dataset's elements are {shown}; give elements (x, y) or "
-            "(x, y, sample_weight), e.g. dataset.map(lambda d: (d['x'], d['y']))"
+            "(x, y, sample_weight), e.g. dataset.map(lambda d: (d['x'], d['y'])) (x alone: a model with its "
+            "own train_step)"
         )
     flat = tf.nest.flatten(spec)
     if (
@@ -146,7 +167,7 @@ def check_dataset(data: Any, what: str, endless_ok: bool = False) -> None:
             f"{[tuple(s.shape) for s in flat]}) by something other than .batch(); pass it unbatched "
             "(dataset.unbatch()): unifit batches per replica itself with trainer.batch_size"
         )
-    weights = getattr(spec[2], "shape", None) if len(spec) == 3 else None
+    weights = getattr(spec[2], "shape", None) if isinstance(spec, tuple) and len(spec) == 3 else None
     if weights is not None and batch_size_of(data) is not None and weights.rank:
         weights = weights[1:]  # a pipeline batched by .batch(): its elements' weights
     if weights is not None and weights.rank not in (None, 0):

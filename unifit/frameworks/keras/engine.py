@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,11 +40,12 @@ import tensorflow as tf  # noqa: E402
 
 from unifit.errors import ConfigError, first_line  # noqa: E402
 from unifit.frameworks.base import Engine  # noqa: E402
-from unifit.frameworks.keras.data import LazyData, unbatched, with_class_weight  # noqa: E402
+from unifit.frameworks.keras.data import LazyData, unbatched, with_class_weight, x_alone  # noqa: E402
 from unifit.frameworks.keras.data import arrays as _arrays  # noqa: E402
 from unifit.frameworks.keras.evaluation import KerasEvaluation, read_tf_files  # noqa: E402
 from unifit.frameworks.keras.history import FitHistory  # noqa: E402
 from unifit.frameworks.keras.lr import LearningRateControl, with_policy  # noqa: E402
+from unifit.frameworks.keras.own_step import OwnStep, build, built_for, metric_leaves  # noqa: E402
 from unifit.frameworks.keras.precision import make_precision  # noqa: E402
 from unifit.frameworks.keras.stateful import KerasMetricValue  # noqa: E402
 from unifit.frameworks.lr_policy import LRPolicy  # noqa: E402
@@ -83,6 +85,8 @@ class KerasEngine(KerasEvaluation, Engine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._stateful: dict[str, dict[str, KerasMetricValue]] = {}  # per phase (prefix), made at first use
+        self.own: OwnStep | None = None  # a keras.Model's own train_step / test_step, where it has one
+        self.extra_optimizers: dict[str, Any] = {}  # its other optimizers (a GAN's), by attribute
         self._history = FitHistory()  # what fit returns
 
     def setup(self) -> None:
@@ -105,6 +109,7 @@ class KerasEngine(KerasEvaluation, Engine):
             )
         self.precision = make_precision(cfg.precision)
         train, presharded = self._rank_data(self.data.train_dataset())
+        train, self.targets_given = x_alone(train)  # a model with its own step may take x alone
         train, batched_by = unbatched(train)
         if cfg.class_weight:
             train = with_class_weight(train, cfg.class_weight, "train_dataset()")
@@ -158,6 +163,7 @@ class KerasEngine(KerasEvaluation, Engine):
         # a data provider need not have validation data (TensorFlow's parameter-server tutorial's has none)
         val_dataset = getattr(self.data, "val_dataset", None)
         val, val_presharded = self._rank_data(val_dataset() if val_dataset is not None else None)
+        val = x_alone(val)[0] if val is not None and not self.targets_given else val
         if val is not None and cfg.limit_val_batches != 0 and isinstance(val, tf.data.Dataset):
             self.val_lazy = self._lazy(val, "val_dataset()", val_presharded, endless_ok=True)
             if not self.val_lazy.endless:
@@ -187,11 +193,17 @@ class KerasEngine(KerasEvaluation, Engine):
             self.optimizer, self.schedule = with_policy(optimizer, self.policy)
             self.step_optimizer = precision.step_optimizer(self.optimizer)  # float16: a LossScaleOptimizer around it
             x_shape = self.train_lazy.x_shape if self.train_lazy is not None else self.train_arrays[0].shape[1:]
-            if x_shape is not None:
-                model.build(tuple([None, *x_shape]))
+            build(model, x_shape)
             self.training.prepare_model(model)
             self.targets = self.training.gradient_targets(model.trainable_variables)
             self.step_optimizer.build(self.targets)
+            if self.module.own_step:
+                self._set_up_own_step(model)
+            elif not self.targets_given:
+                raise ConfigError(
+                    f"train_dataset(): gives x alone, without targets; {type(self.module).__name__} is trained by "
+                    "a loss of targets and predictions: give (x, y) (x alone is for a model with its own train_step)"
+                )
         self.training.broadcast_variables(model.variables + self.step_optimizer.variables)
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
         self.module.trained_optimizer = self.optimizer
@@ -199,6 +211,34 @@ class KerasEngine(KerasEvaluation, Engine):
         self._train_fn = tf.function(self._distributed_step(train=True))
         self._val_fn = tf.function(self._distributed_step(train=False))
         self._untried = {"training", "validation"} if cfg.compile else set()  # XLA compiles at the first call
+
+    def _set_up_own_step(self, model: Any) -> None:
+        """The model's own step, with unifit's optimizers: model.optimizer and its others (a GAN's) take the lr
+        policy, and reduce (horovod) and clip their gradients before applying them."""
+        precision, clip = self.precision, self.config.gradient_clip_val
+
+        def clipped(grads: list[Any]) -> list[Any]:
+            return grads if clip is None else tf.clip_by_global_norm(grads, precision.clip_norm(clip))[0]
+
+        self.extra_schedules: list[Any] = []
+
+        def twin(optimizer: Any) -> Any:
+            fresh, schedule = with_policy(optimizer, self.policy)
+            self.extra_schedules.append(schedule)
+            return fresh
+
+        optimizers = self.module.prepare_own_step(model, self.step_optimizer, twin)
+        self.extra_optimizers = {name: o for name, o in optimizers.items() if name != "optimizer"}
+        self.own = OwnStep(model, self.dist, self.targets_given)
+        self.own.take_optimizers(optimizers, self.training.reduce_gradients, clipped)
+        self.own.build_optimizers(self.extra_optimizers, self._batch_specs())
+
+    def _batch_specs(self) -> tuple[Any, ...]:
+        """The (x, y[, sample_weight]) of one per-replica training batch, as TensorSpecs."""
+        if self.train_lazy is not None:
+            spec = self.train_lazy.dataset.element_spec
+            return tuple(tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape], s.dtype), spec))
+        return tuple(tf.TensorSpec([None, *a.shape[1:]], tf.as_dtype(a.dtype)) for a in self.train_arrays[:3])
 
     def _adopt_batch_size(self, batched_by: int | None) -> Any:
         """The run's config, with the batch size of a pipeline the user batched when trainer.batch_size was
@@ -228,6 +268,8 @@ class KerasEngine(KerasEvaluation, Engine):
         module, clip, precision = self.module, self.config.gradient_clip_val, self.precision
         optimizer = getattr(self, "step_optimizer", None)  # none when only evaluating
         prefix = "train/" if train else prefix
+        if self.own is not None:
+            return self.own.function(train, prefix, jit_compile=bool(self.config.compile))
         evaluate = evaluate or module.validation_step
         keep_outputs = bool(self._stateful_metrics(prefix))  # their update runs on the host (stateful.py)
 
@@ -368,6 +410,8 @@ class KerasEngine(KerasEvaluation, Engine):
     def train_batches(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         if skip >= self._batches:  # resumed from a checkpoint taken after the epoch's last step
             return
+        if self.own is not None:  # as model.fit, every epoch's metrics start empty (a resume adds its saved state)
+            self.own.reset_metrics()
         if self.training.per_worker_stream:  # one stream per worker for the whole fit: steps dequeue from it
             self._train_iter = self._train_iter or self._stream()
             for _ in range(skip, self._batches):
@@ -414,7 +458,8 @@ class KerasEngine(KerasEvaluation, Engine):
             )
         self._steps += 1
         self._collect("train/", means)
-        return means["train/loss"]
+        self.collector.count_samples(self.collector.batch_count)
+        return means.get("train/loss", next(iter(means.values()), 0.0))  # a GAN's step has d_loss, g_loss
 
     def val_batches(self) -> Iterator[Any]:
         self.training.wait_for_steps("validation")
@@ -443,11 +488,26 @@ class KerasEngine(KerasEvaluation, Engine):
         """A step's sample means into the collector; its outputs, if kept, into the stateful metrics."""
         fetch = self.training.fetch  # outputs of a step that ran elsewhere: brought here for the host's metrics
         y, y_pred = fetch(means.pop("_y", None)), fetch(means.pop("_y_pred", None))
-        for name, value in means.items():
-            self.collector.add(name, value, self.collector.batch_count)
+        own_metrics = self._own_metrics(prefix)
+        for name, value in means.items():  # a model's own step: its metrics' states, else its last values
+            value = own_metrics.get(name, value)
+            self.collector.add(name, value, self.collector.batch_count, keep_last=self.own is not None)
         for name, metric in self._stateful_metrics(prefix).items():
             metric.update(y, y_pred)
             self.collector.add(f"{prefix}{name}", metric, 0)
+
+    def _own_metrics(self, prefix: str) -> dict[str, KerasMetricValue]:
+        """A model with its own step: its metrics (whose results the step returns) by logged name, made once."""
+        if self.own is None:
+            return {}
+        key = f"own:{prefix}"
+        if key not in self._stateful:
+            field = f"{type(self.module.model).__name__}.metrics"
+            self._stateful[key] = {
+                f"{prefix}{m.name}": KerasMetricValue(m, f"{field}['{m.name}']", self.dist)
+                for m in metric_leaves(self.module.model)
+            }
+        return self._stateful[key]
 
     def _stateful_metrics(self, prefix: str) -> dict[str, KerasMetricValue]:
         """The module's stateful metrics for one phase (each phase its own objects), made once."""
@@ -506,6 +566,17 @@ class KerasEngine(KerasEvaluation, Engine):
         model = getattr(self.module, "user_model", None) or getattr(self.module, "model", None)
         return self._history.history(state.progress.epoch, self.batches_per_epoch, self.config.max_epochs, model)
 
+    @contextmanager
+    def validating(self) -> Iterator[None]:
+        """A model with its own step validates with the same metric objects it trains with (as in Keras): the
+        epoch's training state is kept aside meanwhile."""
+        with super().validating():
+            if self.own is None:
+                yield
+                return
+            with self.own.metrics_kept_aside():
+                yield
+
     def _agree_on_statistics(self) -> None:
         """BatchNormalization's moving mean and variance (non-trainable float variables) follow each process's
         own batches under MultiWorkerMirroredStrategy and Horovod alike; their mean over the processes is
@@ -524,7 +595,11 @@ class KerasEngine(KerasEvaluation, Engine):
             start += value.size
 
     def current_lrs(self) -> list[float]:
-        return [float(self.schedule(self._steps))]
+        """The rate of each optimizer's next step (a GAN's: its model.optimizer's, then its others')."""
+        lrs = [float(self.schedule(self._steps))]
+        for optimizer, schedule in zip(self.extra_optimizers.values(), getattr(self, "extra_schedules", [])):
+            lrs.append(float(schedule(optimizer.iterations)))
+        return lrs
 
     def to_numpy(self, values: list[Any]) -> np.ndarray:
         fetch = self.training.fetch  # a value of a step that ran on another worker is brought here
@@ -539,9 +614,25 @@ class KerasEngine(KerasEvaluation, Engine):
             "optimizer_steps": self.optimizer_steps,
             "precision": self.precision.state_dict(),
             "lr_scale": self.lr_control.scale,  # what Keras callbacks (ReduceLROnPlateau...) set the rate to
+            "optimizers_built_for": self._built_for(),
+        }
+
+    def _built_for(self) -> dict[str, list[int]]:
+        """A model's other optimizers (a GAN's), each with the positions of the variables it was built for in the
+        model's trainable ones: a resume builds them alike before restoring their slots."""
+        positions = {id(v): i for i, v in enumerate(self.module.model.trainable_variables)}
+        return {
+            name: [positions[id(v)] for v in built_for(optimizer) if id(v) in positions]
+            for name, optimizer in self.extra_optimizers.items()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        trainable = self.module.model.trainable_variables
+        for name, positions in state.get("optimizers_built_for", {}).items():
+            optimizer = self.extra_optimizers.get(name)
+            if optimizer is not None and positions and not optimizer.built:
+                with self.dist.scope():
+                    optimizer.build([trainable[i] for i in positions])
         with self.strategy.collective_guard("checkpoint restore"):
             read_tf_files(state["tf_files"], self._checkpoint()).assert_consumed()
         self._steps = int(state["optimizer_steps"])
@@ -549,7 +640,7 @@ class KerasEngine(KerasEvaluation, Engine):
         self.lr_control.scale = float(state.get("lr_scale", 1.0))
 
     def _checkpoint(self) -> Any:
-        return tf.train.Checkpoint(model=self.module.model, optimizer=self.optimizer)
+        return tf.train.Checkpoint(model=self.module.model, optimizer=self.optimizer, **self.extra_optimizers)
 
     def checkpoint_files(self, payload: dict[str, Any], writer: bool = True) -> dict[str, bytes]:
         """Every worker writes (TensorFlow requires all to take part); only the chief's files are kept."""

@@ -18,7 +18,8 @@ import numpy as np
 import tensorflow as tf
 
 from unifit.errors import ConfigError
-from unifit.frameworks.keras.data import arrays, unbatched
+from unifit.frameworks.keras.data import arrays, unbatched, x_alone
+from unifit.frameworks.keras.own_step import OwnStep, build
 from unifit.frameworks.keras.precision import make_precision
 from unifit.strategies.keras_training import KerasTraining
 
@@ -37,6 +38,7 @@ class KerasEvaluation:
     training: KerasTraining
     config: Any
     collector: Any
+    own: Any  # an OwnStep where the model has its own test_step
 
     def setup_evaluation(self, stage: str) -> None:
         cfg, strategy = self.config, self.strategy
@@ -44,6 +46,7 @@ class KerasEvaluation:
         source, step, prefix = _STAGES[stage]
         self._prefix = prefix
         data, presharded = self._stage_data(stage, source)
+        data, targets_given = x_alone(data) if stage != "predict" else (data, True)
         batched_by = unbatched(data)[1] if isinstance(data, tf.data.Dataset) else None
         if batched_by is not None and not cfg.batch_size_given:  # the pipeline's batch size, as fit takes it
             cfg = self.config = cfg.adopting_batch_size(batched_by, "the tf.data pipeline's .batch()")
@@ -66,8 +69,11 @@ class KerasEvaluation:
             self._eval_sizes = self._eval_sizes[:limit]
         with strategy.collective_guard("creating the model"), self.dist.scope(), self.precision.building():
             self.module.model = model = self.precision.prepare_model(self.module.build_model())
-            if x_shape is not None:
-                model.build(tuple([None, *x_shape]))
+            build(model, x_shape)
+            if self.module.own_step:  # its own test_step, with the loss and metrics it was compiled with
+                self.module.compile_copy(model, self.module.configure_optimizers())
+                self.own = OwnStep(model, self.dist, targets_given)
+                self.own.reset_metrics()  # what the model's own fit left in them
         self.training.broadcast_variables(model.variables)  # rank 0's weights everywhere, as fit starts
         if stage == "predict":
             self._eval_fn = tf.function(self._predict_step())

@@ -39,6 +39,8 @@ class KerasModule(ModuleBase):
     def __init__(self) -> None:
         self.model: Any = None
 
+    own_step = False  # True: a keras.Model trained by its own train_step / test_step (frameworks/keras/own_step.py)
+
     # set by the engine while fit trains: what Keras callbacks reach through model.optimizer
     trained_optimizer: Any = None  # the optimizer the step uses (the compiled one's twin, with unifit's lr schedule)
     learning_rate: Any = None  # frameworks/keras/lr.py's LearningRateControl
