@@ -34,7 +34,7 @@ def find_batch_size(engine: Any, settings: Any) -> int:
             "trainer.batch_size to it for the launch"
         )
     set_size = _setter(engine, settings.batch_arg_name)
-    saved = lr_finder._snapshot(engine)
+    saved = lr_finder.snapshot(engine)
     planned = engine.module.stepping_batches
     stepped, policy = engine.stepped, engine.policy
     engine.stepped = []
@@ -47,7 +47,7 @@ def find_batch_size(engine: Any, settings: Any) -> int:
         raise
     finally:
         engine.stepped, engine.policy = stepped, policy
-        lr_finder._restore(engine, saved)
+        lr_finder.restore(engine, saved)
     adopt(engine, size, settings.batch_arg_name, set_size)
     engine.set_rng_state(saved["rng"])  # as before the trials, whatever making the loaders drew
     if engine.strategy.is_global_zero:

@@ -23,7 +23,7 @@ from unifit.frameworks.torch import batch_size_finder, combined, input_path, ite
 from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
-from unifit.frameworks.torch.optimizers import parse_optimizers
+from unifit.frameworks.torch.optimizers import parse_optimizers, scale_lrs
 from unifit.frameworks.torch.precision import Precision, make_precision
 from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _has_gradients, _loss_of
 from unifit.strategies import sharded_state
@@ -31,10 +31,6 @@ from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
 
 log = logging.getLogger("unifit")
-
-# param-group keys and scheduler attributes that hold learning rates, scaled together
-_LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
-_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "base_values")  # base_values: timm's schedulers
 
 
 class _StepModule(torch.nn.Module):
@@ -255,7 +251,7 @@ class TorchEngine(TorchEvaluation, Engine):
         self.policy = LRPolicy.from_config(self.config, self.replicas, self._steps_in)
         for optimizer in self.optimizers:
             schedules = [s.scheduler for s in self.schedules if _schedules(s, optimizer)]
-            _scale_lrs(optimizer, schedules, self.policy.factor / scaled_by)
+            scale_lrs(optimizer, schedules, self.policy.factor / scaled_by)
 
     def _steps_in(self, epoch: int) -> int:
         """Optimizer steps in `epoch` (its accumulation's: trainer.accumulation_schedule may change it)."""
@@ -554,7 +550,7 @@ class TorchEngine(TorchEvaluation, Engine):
         if saved_factor != self.policy.factor:  # resumed on another world size: the lrs follow its scaling
             for optimizer in self.optimizers:
                 schedulers = [s.scheduler for s in self.schedules if _schedules(s, optimizer)]
-                _scale_lrs(optimizer, schedulers, self.policy.factor / saved_factor)
+                scale_lrs(optimizer, schedulers, self.policy.factor / saved_factor)
             log.info(
                 "resume: learning rates rescaled x%g (lr scaling %g when saved, %g now)",
                 self.policy.factor / saved_factor,
@@ -687,20 +683,3 @@ def _check_manual(cfg: Any, name: str) -> None:
 
 def _schedules(spec: Any, optimizer: Any) -> bool:
     return getattr(spec.scheduler, "optimizer", optimizer) is optimizer
-
-
-def _scale_lrs(optimizer: torch.optim.Optimizer, schedulers: list[Any], factor: float) -> None:
-    """Turn the module's base lrs into scaled ones, in the optimizer and its schedulers alike."""
-    if factor == 1.0:
-        return
-    for group in optimizer.param_groups:
-        for key in _LR_GROUP_KEYS:
-            if isinstance(group.get(key), (int, float)):
-                group[key] *= factor
-    for scheduler in schedulers:
-        for attr in _LR_SCHEDULER_ATTRS:
-            values = getattr(scheduler, attr, None)
-            if isinstance(values, list):
-                setattr(scheduler, attr, [v * factor for v in values])
-        if hasattr(scheduler, "_last_lr"):
-            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

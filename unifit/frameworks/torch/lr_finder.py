@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from unifit.errors import ConfigError
+from unifit.frameworks.torch.optimizers import scale_lrs
 
 log = logging.getLogger("unifit")
 
@@ -59,7 +60,7 @@ def suggestion(lrs: list[float], losses: list[float]) -> float | None:
 def find_lr(engine: Any, settings: Any) -> LRFinderResult:
     """Run the range test on `engine` (a set-up TorchEngine, before its first step) and put everything back."""
     owner, attribute = _lr_attribute(engine, settings)
-    saved = _snapshot(engine)
+    saved = snapshot(engine)
     stepped, policy = engine.stepped, engine.policy
     engine.stepped, engine.policy = [], type(policy)(factor=policy.factor, warmup_steps=0)
     result, average, best = LRFinderResult(), 0.0, math.inf
@@ -89,7 +90,7 @@ def find_lr(engine: Any, settings: Any) -> LRFinderResult:
             epoch += 1
     finally:
         engine.stepped, engine.policy = stepped, policy
-        _restore(engine, saved)
+        restore(engine, saved)
     result.suggestion = suggestion(result.lrs, result.losses)
     was = engine.optimizer.param_groups[0]["lr"]
     if result.suggestion is not None and settings.update_attr:
@@ -130,7 +131,7 @@ def _set_lr(engine: Any, lr: float) -> None:
             group["lr"] = lr
 
 
-def _snapshot(engine: Any) -> dict[str, Any]:
+def snapshot(engine: Any) -> dict[str, Any]:
     """What a sweep or a trial changes, copied to host memory (a copy on the GPU would take memory the trials need)."""
     return _on_host(
         {
@@ -157,7 +158,7 @@ def _on_host(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _restore(engine: Any, saved: dict[str, Any]) -> None:
+def restore(engine: Any, saved: dict[str, Any]) -> None:
     engine.module.state_module.load_state_dict(saved["model"])
     for optimizer, state in zip(engine.optimizers, saved["optimizers"]):
         optimizer.load_state_dict(state)
@@ -174,10 +175,8 @@ def _restore(engine: Any, saved: dict[str, Any]) -> None:
 
 def _adopt(engine: Any, factor: float) -> None:
     """The suggestion becomes the run's lr: every lr of the optimizers and schedules scaled alike."""
-    from unifit.frameworks.torch.engine import _scale_lrs
-
     for optimizer in engine.optimizers:
-        _scale_lrs(optimizer, [s.scheduler for s in engine.schedules if s.scheduler.optimizer is optimizer], factor)
+        scale_lrs(optimizer, [s.scheduler for s in engine.schedules if s.scheduler.optimizer is optimizer], factor)
 
 
 def _lr_attribute(engine: Any, settings: Any) -> tuple[Any, str | None]:

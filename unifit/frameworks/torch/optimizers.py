@@ -145,3 +145,25 @@ def _scheduler_spec(
     if spec.monitor and spec.interval != "epoch":
         raise ConfigError(f"{where}: a monitored scheduler steps after validation; use interval 'epoch'")
     return spec
+
+
+# the lrs scale_lrs multiplies: an optimizer's groups' and its schedulers' (base_values: timm's schedulers)
+_LR_GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+_LR_SCHEDULER_ATTRS = ("base_lrs", "max_lrs", "min_lrs", "base_values")
+
+
+def scale_lrs(optimizer: torch.optim.Optimizer, schedulers: list[Any], factor: float) -> None:
+    """Turn the module's base lrs into scaled ones, in the optimizer and its schedulers alike."""
+    if factor == 1.0:
+        return
+    for group in optimizer.param_groups:
+        for key in _LR_GROUP_KEYS:
+            if isinstance(group.get(key), (int, float)):
+                group[key] *= factor
+    for scheduler in schedulers:
+        for attr in _LR_SCHEDULER_ATTRS:
+            values = getattr(scheduler, attr, None)
+            if isinstance(values, list):
+                setattr(scheduler, attr, [v * factor for v in values])
+        if hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
