@@ -125,3 +125,19 @@ def test_gan_trains_under_mwms_horovod_and_parameter_server(tmp_path):
         assert len(epochs) == 2, (strategy, lines)
         for line in epochs:
             assert math.isfinite(line["train/d_loss"]) and math.isfinite(line["train/g_loss"]), (strategy, line)
+
+
+@pytest.mark.timeout(180)
+def test_a_gan_passed_as_it_is_keeps_its_own_optimizers_trained(tmp_path):
+    """single trains the user's GAN object itself (it cannot be rebuilt); after fit its d_optimizer and
+    g_optimizer are its own objects again, holding the trained state, as after model.fit."""
+    import unifit
+    from tests.keras_io.gan import dataset, make_gan
+
+    gan = make_gan()
+    d_optimizer, g_optimizer = gan.d_optimizer, gan.g_optimizer
+    history = unifit.Trainer(root_dir=str(tmp_path), max_epochs=2, progress_bar=False).fit(gan, data=dataset(32))
+    assert gan.d_optimizer is d_optimizer and gan.g_optimizer is g_optimizer
+    assert int(d_optimizer.iterations.numpy()) == int(g_optimizer.iterations.numpy()) == 4  # 2 epochs x 2 steps
+    assert float(d_optimizer.learning_rate.numpy()) == pytest.approx(0.0003)
+    assert len(history.history["d_loss"]) == 2 and gan.history is history
