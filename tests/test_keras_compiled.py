@@ -237,11 +237,8 @@ def test_bad_input_is_refused_in_one_line():
     _refused(_sequential(), "is not compiled", "call model.compile(optimizer=..., loss=...) first", data=xy)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for kwargs, needle in [
-        ({"loss_weights": [1.0]}, "loss_weights"),
-        ({"weighted_metrics": ["accuracy"]}, "weighted_metrics"),
         ({"run_eagerly": True}, "run_eagerly=True"),
         ({"steps_per_execution": 4}, "steps_per_execution=4"),
-        ({"metrics": {"out": ["accuracy"]}}, "per output"),
     ]:
         model = _sequential()
         model.compile(optimizer="sgd", loss=loss, **kwargs)

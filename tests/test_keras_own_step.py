@@ -141,3 +141,37 @@ def test_a_gan_passed_as_it_is_keeps_its_own_optimizers_trained(tmp_path):
     assert int(d_optimizer.iterations.numpy()) == int(g_optimizer.iterations.numpy()) == 4  # 2 epochs x 2 steps
     assert float(d_optimizer.learning_rate.numpy()) == pytest.approx(0.0003)
     assert len(history.history["d_loss"]) == 2 and gan.history is history
+
+
+@pytest.mark.timeout(180)
+def test_loss_weights_weighted_and_per_output_metrics_train_as_model_fit(tmp_path):
+    """What unifit's own step does not compute (loss_weights, weighted_metrics, metrics named per output) is no
+    longer refused: Keras' train_step runs it, equal to model.fit with the same sample weights."""
+    import keras
+
+    import unifit
+    from tests.probe.keras_compiled_probe import CLASSES, N_TRAIN, arrays
+
+    x, y = arrays(N_TRAIN, seed=1)
+    weights = np.linspace(0.5, 1.5, len(x)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input(x.shape[1:])
+        model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="out")(inputs))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            loss_weights=[0.5],
+            metrics={"out": ["accuracy"]},
+            weighted_metrics=["sparse_categorical_accuracy"],
+        )
+        return model
+
+    theirs = make().fit(x, y, sample_weight=weights, batch_size=N_TRAIN, epochs=3, shuffle=False, verbose=0)
+    trainer = unifit.Trainer(
+        root_dir=str(tmp_path), max_epochs=3, batch_size=N_TRAIN, lr_scaling="none", progress_bar=False
+    )
+    ours = trainer.fit(make(), data=(x, y, weights))
+    assert {"loss", "accuracy", "sparse_categorical_accuracy"} <= set(theirs.history), sorted(theirs.history)
+    _close_histories(ours.history, theirs.history, "compiled")

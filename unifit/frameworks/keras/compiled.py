@@ -14,8 +14,9 @@
   MeanMetricWrapper objects such as SparseCategoricalAccuracy); 'accuracy'/'acc' are resolved from
   the shapes of the targets and predictions, as Keras does. Stateful metrics that are not means
   (AUC, Precision, Recall, ...) become stateful_metrics(): exact over every replica and worker.
-What compile() offers that unifit cannot honour (loss_weights, several outputs, weighted_metrics,
-run_eagerly, steps_per_execution > 1) is refused in one line naming the argument.
+What compile() offers that unifit cannot honour (several outputs, run_eagerly, steps_per_execution > 1) is
+refused in one line naming the argument; loss_weights, weighted_metrics and metrics per output are computed by
+Keras' own train_step, run as below.
 
 A model with its own step (it overrides train_step, test_step or compute_loss, or is compiled without a
 loss: keras-io's VAE and GANs) is trained by that step, as model.fit trains it (frameworks/keras/own_step.py);
@@ -90,14 +91,11 @@ class CompiledModel(KerasModule):
         compile_config = getattr(model, "_compile_config", None)
         config = dict(compile_config.config) if compile_config is not None else {}
         self._compile_config = config
-        # its own train_step (a VAE, a GAN) or no loss (add_loss() only): Keras' step, run as model.fit runs it
-        self.own_step = bool(own_methods(model)) or getattr(model, "loss", None) is None
-        for argument in ("loss_weights", "weighted_metrics"):
-            if config.get(argument) is not None and not self.own_step:
-                raise ConfigError(
-                    f"{where}: model.compile({argument}=...) is not supported by unifit yet; "
-                    f"compile without {argument} (one loss, unweighted metrics)"
-                )
+        # its own train_step (a VAE, a GAN), no loss (add_loss() only), or what only Keras' step computes (loss
+        # weights, weighted or per-output metrics): Keras' step, run as model.fit runs it (own_step.py)
+        keras_computes = [config.get(a) is not None for a in ("loss_weights", "weighted_metrics")]
+        keras_computes.append(isinstance(config.get("metrics"), dict))
+        self.own_step = bool(own_methods(model)) or getattr(model, "loss", None) is None or any(keras_computes)
         if config.get("run_eagerly"):
             raise ConfigError(
                 f"{where}: model.compile(run_eagerly=True); unifit runs the step as one compiled "
