@@ -194,6 +194,16 @@ def cli(capsys, monkeypatch):
 
 
 _seconds_per_file: dict[str, float] = {}
+_idle_seconds: list[tuple[float, float, float, str]] = []  # (idle, wall, cpu, test): where the machine waited
+
+
+def _record_idle(item, before) -> None:
+    """A test's wall time and CPU time (this process's and every child's it reaped: launched ranks too)."""
+    after = os.times()
+    wall, cpu = after.elapsed - before.elapsed, sum(after[i] - before[i] for i in range(4))
+    _idle_seconds.append((wall - cpu / (os.cpu_count() or 1), wall, cpu, item.nodeid))
+
+
 _passed: set[str] = set()
 _refused_in_call: set[str] = set()  # tests whose setup or call already failed with the launch guard's line
 
@@ -209,8 +219,9 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The files that cost the most (setup, call and teardown together): where the CI budget goes; and
-    the tests marked `launch` that passed without starting a process (nor using a fixture that did)."""
+    """The files that cost the most (setup, call and teardown together): where the CI budget goes; the tests
+    that waited most; and the tests marked `launch` that passed without starting a process (nor using a
+    fixture that did)."""
     idle = sorted(n for n, started in _launch_marked_started.items() if not started and n in _passed)
     if idle:
         terminalreporter.section("marked launch, started nothing (the in-process tier could run them)")
@@ -221,6 +232,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("slowest files")
     for path, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    # wall time the CPUs were not busy for the test (waits: rendezvous, timeouts, sleeps): what a cut there saves
+    terminalreporter.section("most idle tests (wall - cpu / cores)")
+    for idle, wall, cpu, nodeid in sorted(_idle_seconds, reverse=True)[:15]:
+        terminalreporter.write_line(f"{idle:7.1f}s idle {wall:7.1f}s wall {cpu:7.1f}s cpu  {nodeid}")
 
 
 # --- the tiers: `launch` must be true ------------------------------------------------------------------
@@ -388,7 +403,11 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item):
-    return (yield from _in_phase(item))
+    before = os.times()
+    try:
+        return (yield from _in_phase(item))
+    finally:
+        _record_idle(item, before)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
