@@ -4,7 +4,8 @@
 On a GPU each of these waits for the device queue to drain; on CPU they cost nothing, which is why
 they hide there. HostSyncCounter wraps them from the start of training batch `first` of epoch
 `epoch` to the start of batch `last` (the steps, their callbacks and the loading of the next batches
-in between), and writes host_sync_<rank>.json: the calls per caller module. With `cuda_error_mode`
+in between), and writes host_sync_<rank>.json: the calls per caller module, made on the thread that runs the
+steps (a background thread, such as the one committing the previous epoch's checkpoint, is not the step's). With `cuda_error_mode`
 it also runs that window under torch.cuda.set_sync_debug_mode("error"), which raises on any sync the
 CUDA runtime sees, whoever makes it.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections import Counter
 from typing import Any
 
@@ -71,8 +73,11 @@ class HostSyncCounter(unifit.Callback):
 
     def _counting(self, name: str, original: Any) -> Any:
         calls = self.calls
+        stepping = threading.get_ident()  # the thread that runs the steps
 
         def counted(tensor, *args, **kwargs):
+            if threading.get_ident() != stepping:  # the previous epoch's checkpoint being written meanwhile
+                return original(tensor, *args, **kwargs)
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "?")
             calls[f"{module}:{caller.f_code.co_name}:{caller.f_lineno} .{name}"] += 1
