@@ -70,6 +70,10 @@ def test_a_model_parallel_layout_that_cannot_divide_the_world_is_refused_before_
         *args, "--nproc-per-node", "2", "--nnodes", "2", "--trainer.strategy_options", "{pipeline_parallel: 3}"
     )
     one_line_error(result, "pipeline_parallel 3 does not divide the world size 4")
+    result = cli(
+        *args, "--nproc-per-node", "4", "--trainer.strategy_options", "{tensor_parallel: 2, pipeline_parallel: 2}"
+    )
+    one_line_error(result, "tensor_parallel: 2 with pipeline_parallel 2, but no plan", "plan: auto")
     assert launches == []
     assert cli(*args, "--nproc-per-node", "4", "--trainer.strategy_options", "{tensor_parallel: 2}").returncode == 0
     assert launches == ["model-parallel"]

@@ -373,10 +373,6 @@ BAD_STAGES_OR_SPLITS = [
         {"pipeline_parallel": 2, "stages": "blocks", "split_points": ["net.norm"]},
         ["stages: blocks needs split points that are items of one list of blocks", "net.norm"],
     ),
-    (
-        {"pipeline_parallel": 2, "tensor_parallel": 2, "nproc": 4},
-        ["tensor_parallel: 2 with pipeline_parallel 2, but no plan", "plan: auto"],
-    ),
     (  # a colwise layer on stage 0, the rowwise one reading it on stage 1: the handed-on activation is split
         {
             "pipeline_parallel": 2,

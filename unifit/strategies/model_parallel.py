@@ -351,12 +351,6 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
                 "plan (or plan: auto) instead, and unifit splits each stage's layers"
             )
         plan = _resolved_plan(model, opts.plan)
-        if self.tensor_parallel > 1 and not plan:
-            raise ConfigError(
-                f"trainer.strategy_options.tensor_parallel: {self.tensor_parallel} with pipeline_parallel "
-                f"{self.pipeline_parallel}, but no plan; give trainer.strategy_options.plan (module name -> colwise / "
-                "rowwise / colwise_gather), or plan: auto for a transformers model"
-            )
         if "backward" in step_module.module.step_hooks():
             raise ConfigError(
                 f"{type(model).__name__} overrides backward(); under pipeline_parallel the schedule runs backward "
@@ -567,6 +561,12 @@ def _check_layout(options: ModelParallelOptions, world_size: int, tensor: int) -
     """tensor x pipeline (x data, where given) must make the world size: a ConfigError saying what to launch."""
     pipeline = options.pipeline_parallel
     split = tensor * pipeline
+    if pipeline > 1 and tensor > 1 and not options.plan:  # configure_model() cannot split a stage's layers
+        raise ConfigError(
+            f"trainer.strategy_options.tensor_parallel: {tensor} with pipeline_parallel {pipeline}, but no plan; give "
+            "trainer.strategy_options.plan (module name -> colwise / rowwise / colwise_gather), or plan: auto for a "
+            "transformers model"
+        )
     if pipeline > 1 and world_size % split:
         raise ConfigError(
             f"trainer.strategy_options: tensor_parallel {tensor} x pipeline_parallel {pipeline} does not divide the "
