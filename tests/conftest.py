@@ -237,9 +237,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for idle, wall, cpu, nodeid in sorted(_idle_seconds, reverse=True)[:15]:
         terminalreporter.write_line(f"{idle:7.1f}s idle {wall:7.1f}s wall {cpu:7.1f}s cpu  {nodeid}")
     # every test's figures, for a look beyond the top 15: .pytest_cache/v/unifit/test_times
-    terminalreporter.config.cache.set(
-        "unifit/test_times", [{"test": n, "wall": w, "cpu": c, "idle": i} for i, w, c, n in _idle_seconds]
-    )
+    cache = getattr(terminalreporter.config, "cache", None)  # absent under -p no:cacheprovider
+    if cache is not None:
+        cache.set("unifit/test_times", [{"test": n, "wall": w, "cpu": c, "idle": i} for i, w, c, n in _idle_seconds])
 
 
 # --- the tiers: `launch` must be true ------------------------------------------------------------------
