@@ -3,6 +3,7 @@ this process (cli)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -55,18 +56,27 @@ def reference_run(tmp_path_factory):
     Run once per session and shared, read-only, by the suites that compare against it (conformance
     checks, exact resume after preemption or a restart): each launch costs seconds, TensorFlow's ~10 s.
     """
-    from tests.helpers import _case, assert_ok, launch_probe
+    from tests.helpers import _case, assert_ok, at_most, launch_probe
 
     roots = {}
 
+    def launched(case):
+        root = tmp_path_factory.mktemp(f"reference-{case.id}")
+        assert_ok(launch_probe(case, root))
+        roots[case.id] = root
+        return root
+
     def run(case):
         case = _case(case)
-        if case.id not in roots:
-            root = tmp_path_factory.mktemp(f"reference-{case.id}")
-            assert_ok(launch_probe(case, root))
-            roots[case.id] = root
-        return roots[case.id]
+        return roots[case.id] if case.id in roots else launched(case)
 
+    def prefetch(cases) -> None:
+        """The runs of `cases` not made yet, two at a time (one's start-up waits are the other's work); a failed
+        one is tried again, and fails, where a test asks for it."""
+        missing = {c.id: c for c in map(_case, cases) if c.id not in roots}
+        at_most(2, [functools.partial(launched, c) for c in missing.values()])
+
+    run.prefetch = prefetch
     return run
 
 

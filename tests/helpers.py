@@ -9,7 +9,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE_YAML = REPO / "tests" / "probe" / "probe.yaml"
@@ -194,6 +196,59 @@ def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: floa
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def at_most(at_once: int, jobs: list[Callable[[], T]]) -> list[T | BaseException]:
+    """Each job (a function that starts and ends its own processes) run with at most `at_once` running at any
+    time; their results in order, an exception in a job's place. Independent launches of one module overlap so,
+    one's waits (rendezvous, a TensorFlow process on one core) being another's work on this 2-core machine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def outcome(job: Callable[[], T]) -> T | BaseException:
+        try:
+            return job()
+        except Exception as exc:  # the test that reads this job's result fails with it
+            return exc
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        return list(pool.map(outcome, jobs))
+
+
+def selected_params(request: Any, argname: str, test: str | None = None) -> list:
+    """The values parameter `argname` takes in the session's selected items of the requesting test file (of its
+    function `test` only, if given): a run of one case (-k ddp) starts no other case's launches."""
+    values = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.path != request.path or not callspec or argname not in callspec.params:
+            continue
+        if (test is None or getattr(item, "originalname", None) == test) and callspec.params[argname] not in values:
+            values.append(callspec.params[argname])
+    return values
+
+
+def run_at_most(
+    at_once: int, commands: list[tuple[list[str], dict[str, str]]], timeout: float
+) -> list[subprocess.CompletedProcess]:
+    """`python ARGS` once per (ARGS, env), at most `at_once` at a time (see at_most), each killed with its group
+    when it ends or at its timeout (a late one's result has exit -9 and says so)."""
+
+    def job(args: list[str], env: dict[str, str]) -> Callable[[], subprocess.CompletedProcess]:
+        def run() -> subprocess.CompletedProcess:
+            proc = start_python(*args, env=env)
+            try:
+                out, err = stop(proc, timeout=timeout)
+            except AssertionError as exc:
+                return subprocess.CompletedProcess(proc.args, -9, "", str(exc))
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+        return run
+
+    results = at_most(at_once, [job(args, env) for args, env in commands])
+    return [
+        r if isinstance(r, subprocess.CompletedProcess) else subprocess.CompletedProcess(args, -1, "", repr(r))
+        for r, (args, _) in zip(results, commands, strict=True)
+    ]
 
 
 def reports(root: Path) -> list[dict]:

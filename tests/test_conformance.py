@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import StrategyCase, metrics_lines, reports, strategy_params
+from tests.helpers import StrategyCase, metrics_lines, reports, selected_params, strategy_params
 
 pytestmark = pytest.mark.launch
 
@@ -20,7 +20,9 @@ N_TRAIN, N_VAL = 64, 37
 
 @pytest.fixture(scope="module", params=strategy_params())
 def trained(request, reference_run) -> tuple[StrategyCase, Path]:
-    """One 3-epoch probe run per strategy, shared by the checks below (and by tests/test_long_jobs.py)."""
+    """One 3-epoch probe run per strategy, shared by the checks below (and by tests/test_long_jobs.py); the first
+    makes every selected strategy's, two at a time."""
+    reference_run.prefetch(selected_params(request, "trained") or [request.param])
     return request.param, reference_run(request.param)
 
 

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, assert_ok, run_unifit
+from tests.helpers import assert_ok, run_at_most
 from tests.zoo.recording import ZooResults
 
 pytestmark = [pytest.mark.launch, pytest.mark.tf]
@@ -72,30 +70,27 @@ class Zoo(ZooResults):
         return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
-_zoos: dict[str, Zoo] = {}
-
-
-def zoo(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> Zoo:
-    if strategy not in _zoos:
-        world, extra = LAUNCHES[strategy]
-        out = tmp_path_factory.mktemp(f"keras-zoo-{strategy}")
-        driver = [DRIVER, "--out", str(out), "--precisions", ",".join(PRECISIONS), *extra]  # a later one wins
-        if strategy == "single":  # the script as a user runs it: python, no launcher
-            result = subprocess.run(
-                [sys.executable, *driver],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=480,
-                env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"},
-            )
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Callable[[str], Zoo]:
+    """zoo(strategy) -> the records of that strategy's launch. Every strategy's zoo is launched at the first use,
+    two at a time (a TensorFlow process of these small models keeps about one core busy)."""
+    outs = {name: tmp_path_factory.mktemp(f"keras-zoo-{name}") for name in LAUNCHES}
+    commands = []
+    for name, (world, extra) in LAUNCHES.items():
+        driver = [DRIVER, "--out", str(outs[name]), "--precisions", ",".join(PRECISIONS), *extra]  # a later one wins
+        if name == "single":  # the script as a user runs it: python, no launcher
+            commands.append((driver, {"OMP_NUM_THREADS": "2"}))
         else:
-            result = run_unifit(
-                "launch", "--nproc-per-node", str(world), "--strategy", strategy, "--", *driver, timeout=480
+            commands.append(
+                (["-m", "unifit", "launch", "--nproc-per-node", str(world), "--strategy", name, "--", *driver], {})
             )
-        assert_ok(result)
-        _zoos[strategy] = Zoo(out, world)
-    return _zoos[strategy]
+    launched = dict(zip(LAUNCHES, run_at_most(2, commands, timeout=600), strict=True))
+
+    def records(strategy: str) -> Zoo:
+        assert_ok(launched[strategy])
+        return Zoo(outs[strategy], LAUNCHES[strategy][0])
+
+    return records
 
 
 def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -105,8 +100,8 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", list(LAUNCHES))
-def test_every_model_trains_and_every_process_agrees(strategy, tmp_path_factory):
-    z = zoo(strategy, tmp_path_factory)
+def test_every_model_trains_and_every_process_agrees(strategy, zoo):
+    z = zoo(strategy)
     for key, record in z.ranks[0].items():
         if key.endswith("/keras"):
             continue
@@ -118,8 +113,8 @@ def test_every_model_trains_and_every_process_agrees(strategy, tmp_path_factory)
 
 
 @pytest.mark.timeout(900)
-def test_single_equals_model_fit(tmp_path_factory):
-    z = zoo("single", tmp_path_factory)
+def test_single_equals_model_fit(zoo):
+    z = zoo("single")
     for model in ("image-plain", "text"):
         for precision in (*PRECISIONS, "16-mixed"):
             diff = _max_diff(z.weights(model, precision), z.weights(model, precision, "keras"))
@@ -131,8 +126,8 @@ def test_single_equals_model_fit(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", DISTRIBUTED)
-def test_two_replicas_follow_one_on_the_same_global_batch(strategy, tmp_path_factory):
-    single, other = zoo("single", tmp_path_factory), zoo(strategy, tmp_path_factory)
+def test_two_replicas_follow_one_on_the_same_global_batch(strategy, zoo):
+    single, other = zoo("single"), zoo(strategy)
     diff = _max_diff(single.weights("text", "32-true"), other.weights("text", "32-true"))
     assert diff < 1e-5, f"{strategy} text: weights differ from single's by {diff}"
     # bf16: each replica rounds its own half batch; Adam turns that into small moves: the curve, within 2%
@@ -144,8 +139,8 @@ def test_two_replicas_follow_one_on_the_same_global_batch(strategy, tmp_path_fac
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", list(LAUNCHES))
-def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_path_factory):
-    z = zoo(strategy, tmp_path_factory)
+def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, zoo):
+    z = zoo(strategy)
     resumed = z.record("text", "32-true", "resume")
     assert "error" not in resumed and resumed["crashed"], resumed
     diff = _max_diff(z.weights("text", "32-true"), z.weights("text", "32-true", "resume"))
@@ -154,11 +149,11 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_pat
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", list(LAUNCHES))
-def test_a_keras_io_page_with_its_callbacks_ends_as_under_model_fit(strategy, tmp_path_factory):
+def test_a_keras_io_page_with_its_callbacks_ends_as_under_model_fit(strategy, zoo):
     """The weather page's EarlyStopping and ModelCheckpoint(save_best_only, save_weights_only), passed to unifit as
     to model.fit: one process ends with model.fit's weights, checkpoint file and stop; two replicas with the same
     validation loss, the checkpoint file written once (by rank 0) and read the same by every process."""
-    single, z = zoo("single", tmp_path_factory), zoo(strategy, tmp_path_factory)
+    single, z = zoo("single"), zoo(strategy)
     theirs = single.record("weather", "32-true", "keras")
     assert "error" not in theirs, theirs
     for rank in range(len(z.ranks)):

@@ -7,6 +7,7 @@ so every rank's RNG, the data position and the partial epoch's metric sums must 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,11 +19,13 @@ import torch
 
 from tests.helpers import (
     assert_ok,
+    at_most,
     launch_probe,
     metrics_lines,
     probe_args,
     reports,
     run_unifit,
+    selected_params,
     start_unifit,
     stop,
     strategy_params,
@@ -51,23 +54,43 @@ def _assert_same_run(a: Path, b: Path) -> None:
     assert len({r["weights_sha256"] for r in reports(b)}) == 1
 
 
-@pytest.mark.launch
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("case", strategy_params())
-def test_preempted_mid_epoch_resumes_exactly(tmp_path, case, reference_run):
-    full, part = reference_run(case), tmp_path / "part"  # uninterrupted, without step checkpoints
+def _preempt_and_resume(case, root: Path) -> tuple:
+    """A run SIGTERMed mid-epoch 2 (on rank 1, where there is one), then resumed with --ckpt-path auto."""
     signalled_rank = 0 if case.nproc == 1 else 1  # single, mirrored: their one process
-    stopped = launch_probe(case, part, *STEPS, callbacks=_signal_at(signalled_rank))
+    stopped = launch_probe(case, root, *STEPS, callbacks=_signal_at(signalled_rank))
+    last = root / "checkpoints" / "last.json"  # read now: the resumed run moves it on
+    last_name = json.loads(last.read_text())["name"] if last.exists() else None
+    progress = _saved_progress(root / "checkpoints" / last_name) if last_name else None
+    return stopped, last_name, progress, launch_probe(case, root, *STEPS, ckpt="auto")
+
+
+@pytest.fixture(scope="module")
+def preempted(request, tmp_path_factory, reference_run) -> dict:
+    """Row id -> (root, what _preempt_and_resume returned, or its exception), for every selected row, two rows at
+    a time; their uninterrupted reference runs made first."""
+    cases = selected_params(request, "case", "test_preempted_mid_epoch_resumes_exactly")
+    reference_run.prefetch(cases)
+    roots = [tmp_path_factory.mktemp(f"preempted-{c.id}") / "part" for c in cases]
+    jobs = [functools.partial(_preempt_and_resume, c, root) for c, root in zip(cases, roots, strict=True)]
+    return {c.id: (root, got) for c, root, got in zip(cases, roots, at_most(2, jobs), strict=True)}
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(1200)  # the first runs every selected row's launches, two rows at a time
+@pytest.mark.parametrize("case", strategy_params())
+def test_preempted_mid_epoch_resumes_exactly(case, preempted, reference_run):
+    part, outcome = preempted[case.id]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    stopped, last, progress, resumed = outcome
+    full = reference_run(case)  # uninterrupted, without step checkpoints
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     said = [line for line in stopped.stderr.splitlines() if "preempted by SIGTERM" in line]
     assert len(said) >= 1, stopped.stderr[-3000:]
-    last = json.loads((part / "checkpoints" / "last.json").read_text())["name"]
     named = {line.split("checkpoint ", 1)[1].split(" is committed")[0] for line in said if " is committed" in line}
     assert {path.rstrip("/").rsplit("/", 1)[-1] for path in named} == {last}, said  # every rank names the one saved
-    progress = _saved_progress(part / "checkpoints" / last)
     assert progress["epoch"] == 1 and progress["batch_in_epoch"] == 1, progress  # mid-epoch 2, where it was stopped
 
-    resumed = launch_probe(case, part, *STEPS, ckpt="auto")
     assert_ok(resumed)
     assert "batch 1 of epoch 2" in resumed.stderr
     _assert_same_run(full, part)

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 
-from tests.helpers import REPO, assert_ok, run_unifit
+from tests.helpers import assert_ok, run_at_most
 from tests.zoo.recording import ZooResults
 
 pytestmark = pytest.mark.launch
@@ -79,30 +77,27 @@ class Zoo(ZooResults):
         return torch.load(self.out / f"{model}.{precision}.{kind}.pt")
 
 
-_zoos: dict[str, Zoo] = {}
-
-
-def zoo(strategy: str, tmp_path_factory: pytest.TempPathFactory) -> Zoo:
-    """The zoo under `strategy`, launched once per test session."""
-    if strategy not in _zoos:
-        precisions, extra = LAUNCHES[strategy]
-        out = tmp_path_factory.mktemp(f"zoo-{strategy}")
-        world = 1 if strategy == "single" else 2
-        driver = [DRIVER, "--out", str(out), "--precisions", precisions, *extra]
-        if strategy == "single":  # the script as a user runs it: python, no launcher
-            result = subprocess.run(
-                [sys.executable, *driver],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=420,
-                env={**os.environ, "OMP_NUM_THREADS": "2"},
-            )
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Callable[[str], Zoo]:
+    """zoo(strategy) -> the zoo under `strategy`. Every strategy's is launched at the first use, two at a time (one's
+    start-up and rendezvous are the other's training)."""
+    outs = {name: tmp_path_factory.mktemp(f"zoo-{name}") for name in LAUNCHES}
+    commands = []
+    for name, (precisions, extra) in LAUNCHES.items():
+        driver = [DRIVER, "--out", str(outs[name]), "--precisions", precisions, *extra]
+        if name == "single":  # the script as a user runs it: python, no launcher
+            commands.append((driver, {"OMP_NUM_THREADS": "2"}))
         else:
-            result = run_unifit("launch", "--nproc-per-node", "2", "--strategy", strategy, "--", *driver, timeout=420)
-        assert_ok(result)
-        _zoos[strategy] = Zoo(out, world)
-    return _zoos[strategy]
+            commands.append(
+                (["-m", "unifit", "launch", "--nproc-per-node", "2", "--strategy", name, "--", *driver], {})
+            )
+    launched = dict(zip(LAUNCHES, run_at_most(2, commands, timeout=600), strict=True))
+
+    def records(strategy: str) -> Zoo:
+        assert_ok(launched[strategy])
+        return Zoo(outs[strategy], 1 if strategy == "single" else 2)
+
+    return records
 
 
 def _max_diff(a: dict, b: dict, skip_buffers: bool = False) -> float:
@@ -123,8 +118,8 @@ def _expected_refusal(strategy: str, precision: str, model: str) -> str | None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", list(LAUNCHES))
-def test_every_model_trains_or_is_refused_in_one_line(strategy, tmp_path_factory):
-    z = zoo(strategy, tmp_path_factory)
+def test_every_model_trains_or_is_refused_in_one_line(strategy, zoo):
+    z = zoo(strategy)
     precisions = LAUNCHES[strategy][0].split(",")
     for model in MODELS:
         for precision in precisions:
@@ -143,8 +138,8 @@ def test_every_model_trains_or_is_refused_in_one_line(strategy, tmp_path_factory
 
 
 @pytest.mark.timeout(900)
-def test_single_equals_lightnings_own_trainer(tmp_path_factory):
-    z = zoo("single", tmp_path_factory)
+def test_single_equals_lightnings_own_trainer(zoo):
+    z = zoo("single")
     for model in MODELS:
         for precision in ("32-true", "bf16-mixed"):
             assert "error" not in z.record(model, precision, "lightning"), z.record(model, precision, "lightning")
@@ -176,8 +171,8 @@ def test_single_equals_lightnings_own_trainer(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "horovod"])
-def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_path_factory):
-    z = zoo(strategy, tmp_path_factory)
+def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, zoo):
+    z = zoo(strategy)
     for model in MODELS:
         resumed = z.record(model, "32-true", "resume")
         assert "error" not in resumed and resumed["crashed"], (model, resumed)
@@ -190,11 +185,11 @@ def test_a_crash_mid_epoch_resumes_to_the_uninterrupted_result(strategy, tmp_pat
 
 
 @pytest.mark.timeout(900)
-def test_logging_in_epoch_hooks_and_reductions_equal_lightning_then_hold_over_ranks(tmp_path_factory):
+def test_logging_in_epoch_hooks_and_reductions_equal_lightning_then_hold_over_ranks(zoo):
     """The GLUE tutorial's on_validation_epoch_end metrics over two validation loaders, reduce_fx max/min/sum, the batch hooks', epoch hooks'
     and a rank_zero_only value: on one process the values of Lightning's own Trainer; on 2 ranks reduced over
     both (sync_dist), so what does not depend on how the samples are split equals the one-process value."""
-    single = z = zoo("single", tmp_path_factory)
+    single = z = zoo("single")
     for precision in ("32-true", "bf16-mixed"):
         ours = z.record("glue", precision)["epochs"][-1]
         theirs = z.record("glue", precision, "lightning")["epochs"][0]  # Lightning's callback_metrics after fit
@@ -207,7 +202,7 @@ def test_logging_in_epoch_hooks_and_reductions_equal_lightning_then_hold_over_ra
         assert {k: ours.get(k) for k in theirs} == pytest.approx(theirs, rel=1e-6), precision
     reference = single.record("glue", "32-true")["epochs"]
     for strategy in ("ddp", "fsdp"):
-        z = zoo(strategy, tmp_path_factory)
+        z = zoo(strategy)
         for rank, results in enumerate(z.ranks):
             for epoch, (metrics, expected) in enumerate(zip(results["glue/32-true/unifit"]["epochs"], reference)):
                 where = (strategy, rank, epoch)
@@ -227,8 +222,8 @@ def test_logging_in_epoch_hooks_and_reductions_equal_lightning_then_hold_over_ra
 
 
 @pytest.mark.timeout(900)
-def test_ddp_takes_the_steps_of_one_process_accumulating(tmp_path_factory):
-    single, ddp = zoo("single", tmp_path_factory), zoo("ddp", tmp_path_factory)
+def test_ddp_takes_the_steps_of_one_process_accumulating(zoo):
+    single, ddp = zoo("single"), zoo("ddp")
     for model in MODELS:
         # per-batch statistics / a hidden state carried per rank / single trained without accumulating / drawn per world
         if model in BATCH_NORM or model == "lstm" or model in MANUAL or model in SAMPLED:
@@ -249,10 +244,10 @@ def test_ddp_takes_the_steps_of_one_process_accumulating(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "smddp-like", "horovod"])
-def test_lightning_callbacks_see_the_averaged_gradients_on_every_rank(strategy, tmp_path_factory):
+def test_lightning_callbacks_see_the_averaged_gradients_on_every_rank(strategy, zoo):
     """The gradient norm a Lightning callback computes before each optimizer step (from the sharded DTensors under
     fsdp) is the one-process norm of the same step, on every rank."""
-    single, z = zoo("single", tmp_path_factory), zoo(strategy, tmp_path_factory)
+    single, z = zoo("single"), zoo(strategy)
     reference = single.record("callbacks", "32-true")["grad_norms"]
     for rank in range(2):
         norms = z.record("callbacks", "32-true", rank=rank)["grad_norms"]
@@ -261,8 +256,8 @@ def test_lightning_callbacks_see_the_averaged_gradients_on_every_rank(strategy, 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["fsdp", "smddp-like", "horovod"])
-def test_other_strategies_end_with_ddps_weights(strategy, tmp_path_factory):
-    ddp, other = zoo("ddp", tmp_path_factory), zoo(strategy, tmp_path_factory)
+def test_other_strategies_end_with_ddps_weights(strategy, zoo):
+    ddp, other = zoo("ddp"), zoo(strategy)
     for model in MODELS:
         diff = _max_diff(ddp.weights(model, "32-true"), other.weights(model, "32-true"))
         assert diff < 1e-5, f"{strategy} {model}: weights differ from ddp's by {diff}"
@@ -270,8 +265,8 @@ def test_other_strategies_end_with_ddps_weights(strategy, tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_bf16_follows_full_precision(strategy, tmp_path_factory):
-    z = zoo(strategy, tmp_path_factory)
+def test_bf16_follows_full_precision(strategy, zoo):
+    z = zoo(strategy)
     for model in MODELS:
         full, half = z.record(model, "32-true"), z.record(model, "bf16-mixed")
         # later: each its own path; soonest where fsdp gathers bfloat16 weights into BatchNorm over 4 samples a rank
@@ -281,10 +276,10 @@ def test_bf16_follows_full_precision(strategy, tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-def test_fsdp_refuses_an_in_place_op_on_a_units_view_output(tmp_path_factory):
+def test_fsdp_refuses_an_in_place_op_on_a_units_view_output(zoo):
     """FSDP2 warns on every view a unit returns; unifit refuses only a step that modified one in place (its
     backward would skip gathering the unit's parameters), and trains the same module written out of place."""
-    z = zoo("fsdp", tmp_path_factory)
+    z = zoo("fsdp")
     for rank in range(2):
         error = z.record("view-inplace", "32-true", rank=rank).get("error", "")
         assert "ConfigError" in error and "was modified in place before backward" in error, error
@@ -294,10 +289,10 @@ def test_fsdp_refuses_an_in_place_op_on_a_units_view_output(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", list(LAUNCHES))
-def test_a_users_weighted_sampler_rebalances_the_classes_on_every_strategy(strategy, tmp_path_factory):
+def test_a_users_weighted_sampler_rebalances_the_classes_on_every_strategy(strategy, zoo):
     """One sample in 8 is of class 1; the data module's WeightedRandomSampler draws them as often as the other class,
     under Lightning's own Trainer and under unifit on 1 or 2 ranks (each rank a disjoint share of the draws)."""
-    z = zoo(strategy, tmp_path_factory)
+    z = zoo(strategy)
     kinds = ("unifit", "lightning") if strategy == "single" else ("unifit",)
     for kind in kinds:
         seen = [sum(z.record("imbalanced", "32-true", kind, rank)["classes_seen"][c] for rank in range(len(z.ranks)))
