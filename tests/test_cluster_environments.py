@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import KERAS_PROBE_YAML, PROBE_YAML, assert_ok, reports, run_together, run_unifit
 from unifit.errors import ConfigError
-from unifit.strategies import environment
+from unifit.strategies import environment, registry
 from unifit.strategies.environment import detect, expand_nodelist, parse_tasks_per_node, slurm_port
 
 
@@ -240,6 +240,81 @@ def test_pytorchjob_with_several_processes_per_pod_must_use_unifit_launch():
 def test_bad_pytorchjob_variable_is_a_config_error_naming_it(name, value):
     with pytest.raises(ConfigError, match=name):
         detect(pytorchjob_env(0, **{name: value}))
+
+
+# ---- Kubeflow Trainer v2 (TrainJob) ----------------------------------------------------------------------
+
+
+def trainjob_env(node: int, nodes: int = 2, per_pod: str = "1", port: int = 29500, **extra: str) -> dict[str, str]:
+    """What a TrainJob's torch runtime sets in the pod of node `node`: PET_* alone (no RANK, no WORLD_SIZE)."""
+    return {
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "PET_NNODES": str(nodes),
+        "PET_NPROC_PER_NODE": per_pod,
+        "PET_NODE_RANK": str(node),
+        "PET_MASTER_ADDR": "job-node-0-0.job",
+        "PET_MASTER_PORT": str(port),
+        **extra,
+    }
+
+
+def test_trainjob_pod_running_unifit_fit_is_one_rank_of_the_pods():
+    env = detect(trainjob_env(1, nodes=3))
+    assert facts(env) == (1, 3, 0, 1, 1, "trainjob")
+    assert (env.master_addr, env.master_port) == ("job-node-0-0.job", 29500)
+    assert detect(trainjob_env(0, nodes=1, per_pod="auto")).world_size == 1  # auto on a CPU pod: one process
+
+
+def test_trainjob_pod_asked_for_several_processes_says_to_use_unifit_launch():
+    with pytest.raises(ConfigError, match=r"PET_NPROC_PER_NODE=4: this TrainJob pod must run 4 .*unifit launch -c"):
+        detect(trainjob_env(0, per_pod="4"))
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("PET_NODE_RANK", "2"), ("PET_NNODES", "two"), ("PET_MASTER_PORT", "port"), ("PET_NPROC_PER_NODE", "0")],
+)
+def test_bad_trainjob_variable_is_a_config_error_naming_it(name, value):
+    with pytest.raises(ConfigError, match=name):
+        detect(trainjob_env(0, **{name: value}))
+
+
+def test_unifit_launch_in_a_trainjob_pod_takes_its_flags_from_pet(cli, monkeypatch, clean_environment):
+    """The flags not given come from PET_*; given ones win (torchrun reads PET_* the same way)."""
+    specs = []
+
+    class Recording:
+        def __init__(self, name: str) -> None:
+            pass
+
+        def launch(self, spec):
+            specs.append(spec)
+            return 0
+
+    monkeypatch.setattr(registry, "launcher", Recording)
+    example = ["-c", "examples/digits/torch.yaml", "--trainer.strategy", "ddp"]
+    assert cli("launch", *example, env=trainjob_env(1, nodes=2, per_pod="2", port=23456)).returncode == 0
+    assert cli("launch", "--nproc-per-node", "1", *example, env=trainjob_env(0, nodes=2, per_pod="2")).returncode == 0
+    assert cli("launch", *example).returncode == 0  # no pod: one process on one node
+    got = [(s.nproc_per_node, s.nnodes, s.node_rank, s.master_addr, s.master_port) for s in specs]
+    assert got == [(2, 2, 1, "job-node-0-0.job", 23456), (1, 2, 0, "job-node-0-0.job", 29500), (1, 1, 0, None, None)]
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(150)
+def test_two_trainjob_pods_train_as_one_pod_of_two_torchrun_ranks(tmp_path, clean_environment):
+    """Two pods whose command is `unifit fit` (PET_* only) form one world of two; one pod asked for two processes,
+    whose command is a bare `unifit launch`, starts two torchrun ranks from PET_*. They train the same weights."""
+    pods, launched = tmp_path / "pods", tmp_path / "launched"
+    port = free_port()
+    other = next(p for p in iter(free_port, None) if p != port)
+    local = {"PET_MASTER_ADDR": "127.0.0.1"}
+    commands = [(fit_args(pods), trainjob_env(r, port=port, **local)) for r in range(2)]
+    commands.append((["launch", *fit_args(launched)[1:]], trainjob_env(0, nodes=1, per_pod="2", port=other, **local)))
+    results = run_together(commands, timeout=120)
+    assert_one_world_trained(results[:2], pods, 2)
+    assert_one_world_trained(results[2:], launched, 2)
+    assert {r["weights_sha256"] for r in reports(pods)} == {r["weights_sha256"] for r in reports(launched)}
 
 
 # ---- Kubeflow TFJob (TF_CONFIG) ------------------------------------------------------------------------

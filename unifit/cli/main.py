@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from unifit.errors import ConfigError, UnifitError, error_prefix, first_line
 from unifit.strategies.launchers.base import LAUNCH_STRATEGY_ENV
@@ -99,9 +99,10 @@ def _parser() -> argparse.ArgumentParser:
         help="what every started process runs (default: fit)",
     )
     launch.add_argument("--output", default=None, help="with --run predict: as for predict")
-    launch.add_argument("--nproc-per-node", type=int, default=1)
-    launch.add_argument("--nnodes", type=int, default=1)
-    launch.add_argument("--node-rank", type=int, default=0)
+    # unset: a Kubeflow TrainJob pod's PET_* values, else 1 process on 1 node (see _pod_defaults)
+    launch.add_argument("--nproc-per-node", type=int, default=None)
+    launch.add_argument("--nnodes", type=int, default=None)
+    launch.add_argument("--node-rank", type=int, default=None)
     launch.add_argument("--master-addr", default=None)
     launch.add_argument("--master-port", type=int, default=None)
     launch.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
@@ -256,6 +257,7 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
 
     experiment = None if script else load_experiment(args.config, overrides)
     strategy = _script_strategy(args, overrides, script) if experiment is None else experiment.trainer.strategy
+    args = _pod_defaults(args, os.environ)
     spec = LaunchSpec(
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,
@@ -288,6 +290,31 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
             accelerator=experiment.trainer.accelerator,
         )
     return registry.launcher(strategy).launch(spec)
+
+
+def _pod_defaults(args: argparse.Namespace, env: Mapping[str, str]) -> argparse.Namespace:
+    """The flags `unifit launch` was not given, from a Kubeflow pod's PET_* variables (a TrainJob's torch runtime
+    sets them for torchrun, which reads them as its own flags; a PyTorchJob sets MASTER_ADDR/PORT instead), else
+    one process on one node."""
+    from unifit.strategies.environment import config_int, trainjob_processes_per_pod
+
+    pod = "PET_NNODES" in env
+    given = vars(args)
+    found = {
+        "nproc_per_node": trainjob_processes_per_pod(env) if pod else 1,
+        "nnodes": config_int(env, "PET_NNODES", 1) if pod else 1,
+        "node_rank": config_int(env, "PET_NODE_RANK", 0) if pod else 0,
+        "master_addr": (env.get("PET_MASTER_ADDR") or env.get("MASTER_ADDR")) if pod else None,
+        "master_port": (
+            config_int(env, "PET_MASTER_PORT", 0) or config_int(env, "MASTER_PORT", 0) or None if pod else None
+        ),
+    }
+    taken = {name: value for name, value in found.items() if given.get(name) is None}
+    if pod and taken and any(v is not None for v in taken.values()):
+        logging.getLogger("unifit").info(
+            "unifit launch: from the pod's environment: %s", ", ".join(f"{k}={v}" for k, v in taken.items())
+        )
+    return argparse.Namespace(**{**given, **taken})
 
 
 def _script_strategy(args: argparse.Namespace, overrides: dict[str, str], script: list[str]) -> str:

@@ -47,7 +47,7 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 TORCHRUN_MARKERS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
-def _config_int(env: Mapping[str, str], name: str, default: int) -> int:
+def config_int(env: Mapping[str, str], name: str, default: int) -> int:
     """An integer variable; anything else is a ConfigError naming it (a cluster's settings, fixed by the user)."""
     from unifit.errors import ConfigError
 
@@ -198,11 +198,11 @@ def from_slurm(env: Mapping[str, str] | None = None) -> ClusterEnvironment | Non
         return None
     # the step's own count first: `srun --preserve-env` leaves SLURM_NTASKS at the allocation's
     world_var = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    world = _config_int(env, world_var, 1)
-    rank = _config_int(env, "SLURM_PROCID", 0)
-    node = _config_int(env, "SLURM_NODEID", 0)
+    world = config_int(env, world_var, 1)
+    rank = config_int(env, "SLURM_PROCID", 0)
+    node = config_int(env, "SLURM_NODEID", 0)
     local_world = _slurm_local_world(env, node, world)
-    local_rank = _config_int(env, "SLURM_LOCALID", rank % max(1, local_world))
+    local_rank = config_int(env, "SLURM_LOCALID", rank % max(1, local_world))
     if world < 1 or not 0 <= rank < world or not 0 <= local_rank < local_world or node < 0:
         from unifit.errors import ConfigError
 
@@ -214,7 +214,7 @@ def from_slurm(env: Mapping[str, str] | None = None) -> ClusterEnvironment | Non
     if not master:
         name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
         master = first_host(env[name], name) if name else "127.0.0.1"
-    port = _config_int(env, "MASTER_PORT", 0) or slurm_port(
+    port = config_int(env, "MASTER_PORT", 0) or slurm_port(
         env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID", "")
     )
     return ClusterEnvironment(
@@ -242,8 +242,8 @@ def from_env_rank(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
         return None
     from unifit.errors import ConfigError
 
-    world = _config_int(env, "WORLD_SIZE", 1)
-    rank = _config_int(env, "RANK", 0)
+    world = config_int(env, "WORLD_SIZE", 1)
+    rank = config_int(env, "RANK", 0)
     per_pod = env.get("PET_NPROC_PER_NODE", "")
     if per_pod.isdigit() and int(per_pod) > 1:
         raise ConfigError(
@@ -261,8 +261,58 @@ def from_env_rank(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
         local_world_size=1,
         node_rank=rank,
         master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=_config_int(env, "MASTER_PORT", 29500),
+        master_port=config_int(env, "MASTER_PORT", 29500),
         source="pytorchjob" if kubernetes else "env",
+    )
+
+
+def trainjob_processes_per_pod(env: Mapping[str, str]) -> int:
+    """PET_NPROC_PER_NODE as a number: Kubeflow Trainer resolves `auto` itself for most runtimes; one left as
+    `auto` (or `gpu`) is one process per visible GPU, or one on a CPU pod (torchrun's `auto` would start one
+    per CPU core, which no one trains with)."""
+    raw = env.get("PET_NPROC_PER_NODE", "").strip()
+    if raw in ("", "auto", "gpu"):
+        from unifit.strategies.torch_device import gpus_visible
+
+        return max(1, gpus_visible()) if raw else 1
+    value = config_int(env, "PET_NPROC_PER_NODE", 1)
+    if value < 1:
+        from unifit.errors import ConfigError
+
+        raise ConfigError(f"environment variable PET_NPROC_PER_NODE={raw!r}: give 1 or more processes per pod")
+    return value
+
+
+def from_kubeflow_trainer(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """A Kubeflow Trainer v2 TrainJob pod whose command is `unifit fit` itself (its torch runtime's command is
+    normally torchrun, which reads these): PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT,
+    PET_NPROC_PER_NODE and no RANK or WORLD_SIZE. One process per pod: the pod's node rank is the rank, the
+    pods are the world. A pod asked for several processes needs them started: `unifit launch` reads PET_*."""
+    env = os.environ if env is None else env
+    if "PET_NNODES" not in env or "RANK" in env or "WORLD_SIZE" in env:
+        return None
+    from unifit.errors import ConfigError
+
+    nodes = config_int(env, "PET_NNODES", 1)
+    node = config_int(env, "PET_NODE_RANK", 0)
+    per_pod = trainjob_processes_per_pod(env)
+    if per_pod > 1:
+        raise ConfigError(
+            f"PET_NPROC_PER_NODE={env.get('PET_NPROC_PER_NODE')}: this TrainJob pod must run {per_pod} processes, "
+            "and `unifit fit` is one; make the container's command `unifit launch -c <experiment.yaml>` (it reads "
+            "PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR/PORT and PET_NPROC_PER_NODE and starts them)"
+        )
+    if nodes < 1 or not 0 <= node < nodes:
+        raise ConfigError(f"PET_NODE_RANK={node} is not below PET_NNODES={nodes}; fix the TrainJob's environment")
+    return ClusterEnvironment(
+        rank=node,
+        world_size=nodes,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=node,
+        master_addr=env.get("PET_MASTER_ADDR") or "127.0.0.1",
+        master_port=config_int(env, "PET_MASTER_PORT", 29500),
+        source="trainjob",
     )
 
 
@@ -270,8 +320,16 @@ def from_env_rank(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
 # inside another's allocation sets its own variables on the processes it starts, so the innermost
 # launcher comes first: torchrun, horovodrun, mpirun and the TF_CONFIG workers (`unifit launch` in an
 # srun task or a PyTorchJob pod) before SLURM, whose variables every process of the allocation inherits,
-# and before the bare RANK/WORLD_SIZE of a PyTorchJob pod.
-READERS = (from_torchrun, from_horovodrun, from_open_mpi, from_tf_config, from_slurm, from_env_rank)
+# and before the bare RANK/WORLD_SIZE of a PyTorchJob pod; a TrainJob pod sets PET_* alone.
+READERS = (
+    from_torchrun,
+    from_horovodrun,
+    from_open_mpi,
+    from_tf_config,
+    from_slurm,
+    from_kubeflow_trainer,
+    from_env_rank,
+)
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnvironment:
@@ -319,7 +377,7 @@ def _slurm_local_world(env: Mapping[str, str], node: int, world: int) -> int:
         if env.get(name):
             counts = parse_tasks_per_node(env[name], name)
             return counts[node] if node < len(counts) else counts[-1]
-    return _config_int(env, "SLURM_NTASKS_PER_NODE", world)
+    return config_int(env, "SLURM_NTASKS_PER_NODE", world)
 
 
 def expand_nodelist(raw: str, name: str = "SLURM_JOB_NODELIST") -> list[str]:
