@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from unifit.callbacks import kubeflow_progress
 from unifit.callbacks.checkpoint import IntervalCheckpoint, ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
 from unifit.callbacks.foreign import CallbackPlan, is_foreign_callback, plan_callbacks
@@ -73,6 +74,8 @@ def default_callbacks(
     if cfg.export_dir:
         callbacks.append(ModelExport(cfg.export_dir, cfg.storage_options))
     callbacks.append(EpochSummary())
+    if kubeflow_progress.wanted():  # a Kubeflow TrainJob asked for its progress
+        callbacks.append(kubeflow_progress.KubeflowProgress())
     if ProgressBar.wanted(cfg.progress_bar):
         callbacks.append(ProgressBar())
     return callbacks
