@@ -289,7 +289,10 @@ def _launch(args: argparse.Namespace, overrides: dict[str, str], fit_args: list[
             nproc_per_node=spec.nproc_per_node,
             accelerator=experiment.trainer.accelerator,
         )
-    return registry.launcher(strategy).launch(spec)
+    from unifit.strategies.launchers.notices import notices_passed_on
+
+    with notices_passed_on():  # SIGUSR1/2 to the launch (srun --signal, submitit) go on to the ranks
+        return registry.launcher(strategy).launch(spec)
 
 
 def _pod_defaults(args: argparse.Namespace, env: Mapping[str, str]) -> argparse.Namespace:

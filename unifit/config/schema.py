@@ -193,11 +193,21 @@ class EarlyStoppingConfig(_Strict):
     )
 
 
-class PreemptionConfig(_Strict):
-    """SIGTERM/SIGINT (spot notice, SLURM's signal before the time limit, pod deletion, Ctrl-C) on any rank:
-    every rank agrees at a step boundary, one checkpoint is committed, every process exits with 128 + the signal's number."""
+PreemptionSignal = Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
 
-    enabled: bool = Field(True, description="Handle SIGTERM and SIGINT this way (off: Python's default, the run dies).")
+
+class PreemptionConfig(_Strict):
+    """A notice (spot, SLURM's signal before the time limit, submitit's, pod deletion, Ctrl-C) on any rank: every
+    rank agrees at a step boundary, one checkpoint is committed, then the handler that was there before unifit's
+    (submitit's requeue) runs, and every process exits with 128 + the signal's number."""
+
+    enabled: bool = Field(True, description="Handle the signals below this way (off: Python's default, the run dies).")
+    signals: list[PreemptionSignal] = Field(
+        ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+        min_length=1,
+        description="The notices: SIGTERM (spot instances, Kubernetes, SLURM's --signal=TERM), SIGINT (Ctrl-C), "
+        "SIGUSR1 (Lightning's SLURM requeue signal), SIGUSR2 (submitit's). Drop one your own code uses.",
+    )
     check_every_n_steps: PositiveInt = Field(
         10, description="Optimizer steps between agreements on whether a rank got a signal (one tiny all-reduce each)."
     )

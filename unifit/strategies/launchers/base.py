@@ -95,7 +95,7 @@ def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = N
 
 # What launchers stop the remaining ranks with, and what a preempted rank exits with (128 + it): a rank
 # ended by one of these was stopped, it did not die.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def death_signal(code: int) -> signal.Signals | None:
