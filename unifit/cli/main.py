@@ -5,6 +5,7 @@
     unifit print-config -c exp.yaml [overrides]
     unifit launch --nproc-per-node 2 [--nnodes N --node-rank R --rdzv-endpoint H:P] -c exp.yaml [overrides]
     unifit launch --nproc-per-node 2 --strategy ddp -- train.py [script args]   (a script that makes a Trainer)
+    unifit submit -c exp.yaml --nodes 2 --gpus-per-node 4 [--partition P] [overrides]   (SLURM, via submitit)
     unifit plot RUN_DIR [RUN_DIR ...] -o curves.png
 
 User errors print one line and exit 2 (1 for failures during training); UNIFIT_DEBUG=1 shows tracebacks.
@@ -76,6 +77,19 @@ def _parser() -> argparse.ArgumentParser:
         help="with '-- SCRIPT.py [ARGS]' instead of -c: the strategy whose processes run the script "
         "(its Trainer takes this strategy when it names none)",
     )
+    submit = sub.add_parser(
+        "submit",
+        help="queue `unifit fit` on SLURM through submitit: one task per GPU, requeued from its last checkpoint",
+    )
+    experiment_args(submit)
+    submit.add_argument("--nodes", type=int, default=1)
+    submit.add_argument("--gpus-per-node", type=int, default=0, help="one task per GPU")
+    submit.add_argument("--tasks-per-node", type=int, default=None, help="default: one per GPU (1 without)")
+    submit.add_argument("--partition", default=None, help="SLURM partition")
+    submit.add_argument("--time-min", type=int, default=60, help="the job's time limit, in minutes")
+    submit.add_argument("--folder", default="submitit", help="where submitit keeps the job's files and logs")
+    submit.add_argument("--local", action="store_true", help="run the tasks on this machine (no SLURM)")
+    submit.add_argument("--wait", action="store_true", help="wait for the job and end with its outcome")
     for stage in ("validate", "test", "predict"):
         run = sub.add_parser(stage, help=f"{stage} with a checkpoint's weights, sharded over the ranks")
         experiment_args(run)
@@ -359,10 +373,25 @@ def _log_to_stderr() -> None:
         logger.propagate = False
 
 
+_owns_process = True  # main(): a launched rank's error or end leaves the process at once (see _exit_with)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     code = _command(list(sys.argv[1:] if argv is None else argv))
     _end_launched_rank(code)
     return code
+
+
+def run(argv: Sequence[str]) -> int:
+    """A unifit command (`["fit", "-c", "exp.yaml", ...]`) in this process, for a caller that owns the process
+    (submitit's task, a notebook): its exit code comes back and the process goes on; an error is the same one
+    line on stderr. A BaseException that is not unifit's (submitit's requeue exit) passes through."""
+    global _owns_process
+    owned, _owns_process = _owns_process, False
+    try:
+        return _command(list(argv))
+    finally:
+        _owns_process = owned
 
 
 def _command(argv: list[str]) -> int:
@@ -420,6 +449,10 @@ def _command(argv: list[str]) -> int:
             if args.output:
                 fit_args += ["--output", args.output]
             return _launch(args, overrides, fit_args, script)
+        if args.command == "submit":
+            from unifit.cli.submit import main_submit
+
+            return main_submit(args, extra)
         if args.command in ("validate", "test", "predict"):
             return _evaluate(args, overrides)
         return _fit(args, overrides)
@@ -476,7 +509,7 @@ def _exit_with(message: str, code: int) -> int:
     env = _launched_environment()
     message = redact_url(message)  # a tracking or storage URL in an error may carry credentials
     sys.stderr.write(error_prefix(env.rank) + message.replace("\n", " ") + "\n")  # one write: ranks share the terminal
-    if env.source != "none":  # a launched rank: skip interpreter shutdown, where a torn-down gloo
+    if env.source != "none" and _owns_process:  # a launched rank: skip interpreter shutdown, where a torn-down gloo
         sys.stdout.flush()  # group can abort (SIGABRT) and hide this exit code from the launcher
         sys.stderr.flush()
         os._exit(code)
