@@ -29,7 +29,10 @@ def test_tensorflows_parameter_server_tutorial_runs_as_the_coordinator_of_a_laun
     assert "workers: 2, parameter servers: 2" in result.stdout, result.stdout
     accuracy = [float(a) for a in re.findall(r"Finished epoch \d, accuracy is (\d+\.\d+)", result.stdout)]
     evaluated = float(re.search(r"Evaluation accuracy: (\d+\.\d+)", result.stdout).group(1))
-    assert len(accuracy) == 4 and accuracy[-1] >= 0.9 and evaluated >= 0.9, result.stdout
+    # an epoch's training accuracy is not a measure here: its metric lives on the parameter servers, the workers
+    # update it asynchronously while the coordinator resets it between epochs (one run printed 1.083333); the
+    # trained model's evaluation after the loop is the check that it learnt
+    assert len(accuracy) == 4 and evaluated >= 0.9, result.stdout
 
 
 @pytest.mark.launch
