@@ -354,8 +354,10 @@ TIMEOUT = ("--trainer.collective_timeout_s", "10")
 @pytest.mark.timeout(300)
 def test_ddp_host_cut_mid_run_ends_every_process_with_one_line(cluster, tmp_path):
     root = tmp_path / "ddp-cut"
+    # gloo's timeout (twice this) is most of the wait after the cut: 5 s ends it ~10 s sooner than 10 s does
+    fast = ("--trainer.collective_timeout_s", "5")
     cut_mid_run(
-        cluster, root, torchrun_hosts(cluster, 2, "rdzv"), _fit_args("ddp", root, 50, callbacks=SLOW, extra=TIMEOUT)
+        cluster, root, torchrun_hosts(cluster, 2, "rdzv"), _fit_args("ddp", root, 50, callbacks=SLOW, extra=fast)
     )
 
 

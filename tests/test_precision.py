@@ -3,12 +3,14 @@ exact resume, under real launchers. The GPU variants are in tests/gpu."""
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import assert_ok, launch_probe, metrics_lines, reports
+from tests.helpers import assert_ok, at_most, launch_probe, metrics_lines, reports, selected_params
 
 pytestmark = pytest.mark.launch
 
@@ -27,19 +29,48 @@ STEP_OPTIONS = (
 )
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("strategy, precision", CASES)
-def test_mixed_precision_replicas_agree_track_full_precision_and_resume_exactly(tmp_path, strategy, precision):
-    full, mixed, part = tmp_path / "full", tmp_path / "mixed", tmp_path / "part"
-    assert_ok(
-        launch_probe(strategy, mixed, *STEP_OPTIONS, "--trainer.precision", precision, "--trainer.max_epochs", "4")
-    )
+def _part_then_resumed(strategy: str, precision: str, part: Path) -> None:
+    """2 epochs, then resumed from the last checkpoint for 2 more."""
+    common = (*STEP_OPTIONS, "--trainer.precision", precision)
+    assert_ok(launch_probe(strategy, part, *common, "--trainer.max_epochs", "2"))
+    assert_ok(launch_probe(strategy, part, *common, "--trainer.max_epochs", "4", ckpt="last"))
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> dict:
+    """(strategy, precision) -> its roots (mixed, full, part), every selected case's launches made at the first
+    test, two at a time (a case's mixed, full-precision and part-then-resumed runs are independent)."""
+    cases = selected_params(request, "case")
+    roots = {c: {k: tmp_path_factory.mktemp(f"{c[0]}-{c[1]}-{k}") for k in ("mixed", "full", "part")} for c in cases}
+    jobs, owners = [], []
+    for strategy, precision in cases:
+        where = roots[(strategy, precision)]
+        jobs.append(functools.partial(_run, strategy, where["mixed"], "--trainer.precision", precision))
+        if precision == "bf16-mixed":  # its curve is compared with full precision's
+            jobs.append(functools.partial(_run, strategy, where["full"]))
+        jobs.append(functools.partial(_part_then_resumed, strategy, precision, where["part"]))
+        owners += [(strategy, precision)] * (3 if precision == "bf16-mixed" else 2)
+    failed = {owner: got for owner, got in zip(owners, at_most(2, jobs), strict=True) if isinstance(got, BaseException)}
+    return {case: (roots[case], failed.get(case)) for case in cases}
+
+
+def _run(strategy: str, root: Path, *extra: str) -> None:
+    assert_ok(launch_probe(strategy, root, *STEP_OPTIONS, *extra, "--trainer.max_epochs", "4"))
+
+
+@pytest.mark.timeout(900)  # the first test makes every case's runs, two at a time
+@pytest.mark.parametrize("case", CASES, ids=[f"{s}-{p}" for s, p in CASES])
+def test_mixed_precision_replicas_agree_track_full_precision_and_resume_exactly(runs, case):
+    strategy, precision = case
+    where, failed = runs[case]
+    if failed is not None:
+        raise failed
+    full, mixed, part = where["full"], where["mixed"], where["part"]
     got = reports(mixed)
     assert len({r["weights_sha256"] for r in got}) == 1  # every rank holds the same weights
     assert all(r["metrics"] == got[0]["metrics"] for r in got)
     low = metrics_lines(mixed)
     if precision == "bf16-mixed":  # 8 bits of mantissa: the curve follows full precision loosely
-        assert_ok(launch_probe(strategy, full, *STEP_OPTIONS, "--trainer.max_epochs", "4"))
         ref = metrics_lines(full)
         assert [m["train/loss"] for m in low] != [m["train/loss"] for m in ref]  # autocast really ran
         assert [m["val/loss"] for m in low] == pytest.approx([m["val/loss"] for m in ref], rel=0.15, abs=0.05)
@@ -49,14 +80,6 @@ def test_mixed_precision_replicas_agree_track_full_precision_and_resume_exactly(
         state = torch.load(mixed / "checkpoints" / name / "state.pt", weights_only=True)
         assert 0 < state["engine"]["precision"]["scaler"]["scale"] < 2.0**16  # the scaler ran and backed off
 
-    assert_ok(
-        launch_probe(strategy, part, *STEP_OPTIONS, "--trainer.precision", precision, "--trainer.max_epochs", "2")
-    )
-    assert_ok(
-        launch_probe(
-            strategy, part, *STEP_OPTIONS, "--trainer.precision", precision, "--trainer.max_epochs", "4", ckpt="last"
-        )
-    )
     resumed = metrics_lines(part)
     assert [m["epoch"] for m in resumed] == [1, 2, 3, 4]
     assert [m["train/loss"] for m in resumed] == pytest.approx([m["train/loss"] for m in low], rel=1e-9)
