@@ -2,37 +2,77 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
+import subprocess
 
 import pytest
 
-from tests.helpers import assert_ok, launch_probe, metrics_lines, run_unifit
+from tests.helpers import assert_ok, at_most, launch_probe, metrics_lines, run_unifit
 
 pytestmark = pytest.mark.tf
 
 KERAS_DIGITS = "examples/digits/keras.yaml"
+DIGITS = {"mirrored": (1, "{devices: 2}"), "mwms": (2, "{}")}
+
+
+def _digits(strategy: str, root) -> subprocess.CompletedProcess:
+    procs, options = DIGITS[strategy]
+    return run_unifit(
+        "launch", "--nproc-per-node", str(procs), "-c", KERAS_DIGITS, "--trainer.strategy", strategy,
+        "--trainer.strategy_options", options, "--trainer.root_dir", str(root), timeout=280,
+    )  # fmt: skip
+
+
+def _unreachable_worker(root) -> subprocess.CompletedProcess:
+    """A user-provided TF_CONFIG naming a second worker that never starts."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = [a.getsockname()[1], b.getsockname()[1]]
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}}
+    return run_unifit(
+        "fit", "-c", KERAS_DIGITS, "--trainer.strategy", "mwms", "--trainer.root_dir", str(root),
+        "--trainer.collective_timeout_s", "10", env={"TF_CONFIG": json.dumps(tf_config)}, timeout=170,
+    )  # fmt: skip
+
+
+def _non_chief_copies(root) -> subprocess.CompletedProcess:
+    (root / "tmp").mkdir()
+    return launch_probe("mwms", root / "run", env={"TMPDIR": str(root / "tmp")})
+
+
+JOBS = {
+    "digits-mirrored": functools.partial(_digits, "mirrored"),
+    "digits-mwms": functools.partial(_digits, "mwms"),
+    "non-chief-copies": _non_chief_copies,
+    "unreachable-worker": _unreachable_worker,
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Name -> (root, result): this module's four TensorFlow launches, two at a time (a TensorFlow process of
+    these small models keeps about one core busy, a worker waiting for a gone peer none)."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in JOBS}
+    results = at_most(2, [functools.partial(job, roots[name]) for name, job in JOBS.items()])
+    return {name: (roots[name], result) for name, result in zip(JOBS, results, strict=True)}
+
+
+def _launched(launched: dict, name: str):
+    root, result = launched[name]
+    if isinstance(result, BaseException):
+        raise result
+    return root, result
 
 
 @pytest.mark.launch
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy, procs, options", [("mirrored", 1, "{devices: 2}"), ("mwms", 2, "{}")])
-def test_keras_digits_reach_95_percent(tmp_path, strategy, procs, options):
-    result = run_unifit(
-        "launch",
-        "--nproc-per-node",
-        str(procs),
-        "-c",
-        KERAS_DIGITS,
-        "--trainer.strategy",
-        strategy,
-        "--trainer.strategy_options",
-        options,
-        "--trainer.root_dir",
-        str(tmp_path),
-        timeout=280,
-    )
+@pytest.mark.timeout(900)  # the first test makes the module's four launches, two at a time
+@pytest.mark.parametrize("strategy", list(DIGITS))
+def test_keras_digits_reach_95_percent(launched, strategy):
+    tmp_path, result = _launched(launched, f"digits-{strategy}")
     assert_ok(result)
     last = metrics_lines(tmp_path)[-1]
     assert last["epoch"] == 10 and last["val/acc"] >= 0.95, last
@@ -40,11 +80,10 @@ def test_keras_digits_reach_95_percent(tmp_path, strategy, procs, options):
 
 
 @pytest.mark.launch
-@pytest.mark.timeout(200)
-def test_mwms_non_chief_checkpoint_copies_are_removed(tmp_path):
+@pytest.mark.timeout(900)
+def test_mwms_non_chief_checkpoint_copies_are_removed(launched):
+    tmp_path, result = _launched(launched, "non-chief-copies")
     scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    result = launch_probe("mwms", tmp_path / "run", env={"TMPDIR": str(scratch)})
     assert_ok(result)
     assert not [p for p in scratch.iterdir() if p.name.startswith("unifit-tf-ckpt-")]
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
@@ -128,27 +167,10 @@ def test_malformed_tf_config(tmp_path, cli):
 
 
 @pytest.mark.launch
-@pytest.mark.timeout(180)
-def test_unreachable_worker_fails_instead_of_hanging(tmp_path):
+@pytest.mark.timeout(900)
+def test_unreachable_worker_fails_instead_of_hanging(launched):
     """A user-provided TF_CONFIG naming a second worker that never starts."""
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("127.0.0.1", 0))
-        b.bind(("127.0.0.1", 0))
-        ports = [a.getsockname()[1], b.getsockname()[1]]
-    tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": 0}}
-    result = run_unifit(
-        "fit",
-        "-c",
-        KERAS_DIGITS,
-        "--trainer.strategy",
-        "mwms",
-        "--trainer.root_dir",
-        str(tmp_path),
-        "--trainer.collective_timeout_s",
-        "10",
-        env={"TF_CONFIG": json.dumps(tf_config)},
-        timeout=170,
-    )
+    _, result = _launched(launched, "unreachable-worker")
     assert result.returncode != 0
     assert "unifit: error" in result.stderr and "a worker is gone or unreachable" in result.stderr, result.stderr[
         -3000:

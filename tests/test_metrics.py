@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -132,9 +134,44 @@ trainer: {{max_epochs: 1, batch_size: 8, root_dir: {tmp_path / "run"}, progress_
     return found
 
 
+STATEFUL = {  # test -> (module, fit under, validated under)
+    "test_stateful_metrics_are_exact_over_uneven_shards": (
+        "tests.probe.metrics_probe.MetricsProbe",
+        "ddp",
+        [("single", "1", []), ("horovod", "2", [])],
+    ),
+    "test_keras_stateful_metrics_are_exact_over_uneven_shards": (
+        "tests.probe.keras_metrics_probe.KerasMetricsProbe",
+        "mwms",
+        [("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]), ("horovod", "2", [])],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def stateful_runs(request, tmp_path_factory) -> dict:
+    """Test name -> (root, what _fit_then_validate found, or its exception): the selected ones of the two
+    sequences run side by side (a TensorFlow worker keeps about one core busy, gloo ranks wait on each other)."""
+    from tests.helpers import at_most
+
+    selected = sorted(
+        {item.originalname for item in request.session.items if item.path == request.path} & set(STATEFUL)
+    )
+    roots = {name: tmp_path_factory.mktemp(name[5:25]) for name in selected}
+    jobs = [functools.partial(_fit_then_validate, roots[name], *STATEFUL[name]) for name in selected]
+    return {name: (roots[name], got) for name, got in zip(selected, at_most(2, jobs), strict=True)}
+
+
+def _stateful(stateful_runs: dict, name: str):
+    root, found = stateful_runs[name]
+    if isinstance(found, BaseException):
+        raise found
+    return root, found
+
+
 @pytest.mark.launch
-@pytest.mark.timeout(300)
-def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
+@pytest.mark.timeout(600)  # the first of the two runs both sequences side by side
+def test_stateful_metrics_are_exact_over_uneven_shards(stateful_runs):
     """torchmetrics AUROC and F1 (not means) logged as objects: 37 validation samples over 2 ranks give
     the value over all of them, in fit under ddp and in validate under horovod and single."""
     import json
@@ -144,9 +181,7 @@ def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
 
     from tests.probe.metrics_probe import MetricsProbe, _data
 
-    found = _fit_then_validate(
-        tmp_path, "tests.probe.metrics_probe.MetricsProbe", "ddp", [("single", "1", []), ("horovod", "2", [])]
-    )
+    tmp_path, found = _stateful(stateful_runs, "test_stateful_metrics_are_exact_over_uneven_shards")
     # the reference: the checkpoint's predictions on all 37 samples, scored at once
     module = MetricsProbe()
     last = json.loads((tmp_path / "run" / "checkpoints" / "last.json").read_text())["name"]
@@ -163,16 +198,11 @@ def test_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
 
 @pytest.mark.launch
 @pytest.mark.tf
-@pytest.mark.timeout(400)
-def test_keras_stateful_metrics_are_exact_over_uneven_shards(tmp_path):
+@pytest.mark.timeout(600)
+def test_keras_stateful_metrics_are_exact_over_uneven_shards(stateful_runs):
     """keras.metrics AUC and Precision from KerasModule.stateful_metrics(): 37 validation samples over 2
     workers (mwms fit, horovod validate) or 2 replicas (mirrored) give the one-process value."""
-    found = _fit_then_validate(
-        tmp_path,
-        "tests.probe.keras_metrics_probe.KerasMetricsProbe",
-        "mwms",
-        [("single", "1", []), ("mirrored", "1", ["--trainer.strategy_options", "{devices: 2}"]), ("horovod", "2", [])],
-    )
+    _, found = _stateful(stateful_runs, "test_keras_stateful_metrics_are_exact_over_uneven_shards")
     reference = found.pop("single")  # one process, all 37 samples at once
     assert 0.5 < reference["val/auc"] < 1.0 and 0.0 < reference["val/precision"] <= 1.0
     for where, metrics in found.items():
