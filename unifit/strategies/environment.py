@@ -254,15 +254,22 @@ def from_env_rank(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world}; fix the job's environment variables")
     kubernetes = any(n in env for n in ("KUBERNETES_SERVICE_HOST", "PET_NNODES", "PET_NODE_RANK"))
+    return _one_process_per_node(env, rank, world, "", "pytorchjob" if kubernetes else "env")
+
+
+def _one_process_per_node(
+    env: Mapping[str, str], rank: int, world: int, prefix: str, source: str
+) -> ClusterEnvironment:
+    """Rank `rank` of `world` pods or machines, one process each, meeting at {prefix}MASTER_ADDR:{prefix}MASTER_PORT."""
     return ClusterEnvironment(
         rank=rank,
         world_size=world,
         local_rank=0,
         local_world_size=1,
         node_rank=rank,
-        master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=config_int(env, "MASTER_PORT", 29500),
-        source="pytorchjob" if kubernetes else "env",
+        master_addr=env.get(f"{prefix}MASTER_ADDR") or "127.0.0.1",
+        master_port=config_int(env, f"{prefix}MASTER_PORT", 29500),
+        source=source,
     )
 
 
@@ -304,16 +311,7 @@ def from_kubeflow_trainer(env: Mapping[str, str] | None = None) -> ClusterEnviro
         )
     if nodes < 1 or not 0 <= node < nodes:
         raise ConfigError(f"PET_NODE_RANK={node} is not below PET_NNODES={nodes}; fix the TrainJob's environment")
-    return ClusterEnvironment(
-        rank=node,
-        world_size=nodes,
-        local_rank=0,
-        local_world_size=1,
-        node_rank=node,
-        master_addr=env.get("PET_MASTER_ADDR") or "127.0.0.1",
-        master_port=config_int(env, "PET_MASTER_PORT", 29500),
-        source="trainjob",
-    )
+    return _one_process_per_node(env, node, nodes, "PET_", "trainjob")
 
 
 # Readers tried in order; the first that recognises its launcher's variables wins. A launcher started
