@@ -452,7 +452,7 @@ def _command(argv: list[str]) -> int:
         if args.command == "submit":
             from unifit.cli.submit import main_submit
 
-            return main_submit(args, extra)
+            return main_submit(args, extra, load_experiment(args.config, overrides), run)
         if args.command in ("validate", "test", "predict"):
             return _evaluate(args, overrides)
         return _fit(args, overrides)

@@ -1,8 +1,7 @@
 """Submit an experiment to SLURM through submitit, from Python or the command line.
 
     unifit submit -c exp.yaml --nodes 2 --gpus-per-node 4 [--partition gpu] [--time-min 240] [overrides]
-    unifit.slurm.submit("exp.yaml", nodes=2, gpus_per_node=4, overrides=["--trainer.max_epochs", "20"])
-    (unifit.slurm is this module's public name)
+    unifit.slurm.submit("exp.yaml", ["--trainer.max_epochs", "20"], nodes=2, gpus_per_node=4)   (unifit/slurm.py)
 
 One task per GPU (submitit's srun), each running `unifit fit -c exp.yaml ... --ckpt-path auto` inside submitit's
 task process, with torch's rank variables from submitit's TorchDistributedEnvironment. submitit asks SLURM for
@@ -20,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from unifit.errors import ConfigError
@@ -45,15 +44,13 @@ class ExperimentJob:
     SIGUSR2 submitit calls checkpoint() and requeues the job with the same command, whose --ckpt-path auto
     continues from the checkpoint unifit committed."""
 
-    def __init__(self, argv: list[str]) -> None:
-        self.argv = argv
+    def __init__(self, argv: list[str], runner: Callable[[list[str]], int]) -> None:
+        self.argv, self.runner = argv, runner  # runner: unifit.cli.main.run (pickled by its name)
 
     def __call__(self) -> int:
-        from unifit.cli.main import run
-
         submitit = _submitit()
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        code = run(self.argv)  # rank 0, preempted, leaves inside: submitit's requeue exits the process
+        code = self.runner(self.argv)  # rank 0, preempted, leaves inside: submitit's requeue exits the process
         if code in NOTICE_CODES:
             _await_requeue(submitit.JobEnvironment(), code)
         if code:
@@ -61,7 +58,7 @@ class ExperimentJob:
         return code
 
     def checkpoint(self) -> Any:
-        return _submitit().helpers.DelayedSubmission(ExperimentJob(self.argv))
+        return _submitit().helpers.DelayedSubmission(ExperimentJob(self.argv, self.runner))
 
 
 NOTICE_CODES = (128 + signal.SIGUSR1, 128 + signal.SIGUSR2)  # a rank stopped by a preemption notice
@@ -80,9 +77,11 @@ def _await_requeue(env: Any, code: int) -> None:
     os._exit(code)
 
 
-def submit(
+def queue(
     config: str,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str],
+    experiment: Any,
+    runner: Callable[[list[str]], int],
     *,
     nodes: int = 1,
     gpus_per_node: int = 0,
@@ -94,12 +93,10 @@ def submit(
     signal_delay_s: int = 90,
     slurm_parameters: dict[str, Any] | None = None,
 ) -> Any:
-    """Queue `unifit fit -c config OVERRIDES --ckpt-path auto` on `nodes` x one task per GPU (or
-    `tasks_per_node`); the submitit Job. `executor`: "auto" (SLURM where sbatch is found, else local), "slurm" or
-    "local"; `slurm_parameters`: more of submitit's slurm_* settings (e.g. {"slurm_account": "ml"})."""
-    from unifit.cli.main import load_experiment, parse_overrides
-
-    experiment = load_experiment(config, parse_overrides(list(overrides)))  # a mistake fails now, in one line
+    """Queue `unifit fit -c config OVERRIDES --ckpt-path auto` (`experiment`: that file, loaded and checked) on
+    `nodes` x one task per GPU (or `tasks_per_node`); the submitit Job. `executor`: "auto" (SLURM where sbatch is
+    found, else local), "slurm" or "local"; `slurm_parameters`: more of submitit's slurm_* settings (e.g.
+    {"slurm_account": "ml"})."""
     strategy = experiment.trainer.strategy
     if strategy not in TASK_STRATEGIES:
         raise ConfigError(
@@ -115,22 +112,24 @@ def submit(
         )
     submitit = _submitit()
     cluster = None if executor == "auto" else executor
-    runner = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    executor_ = submitit.AutoExecutor(folder=folder, cluster=cluster)
     parameters: dict[str, Any] = {"nodes": nodes, "tasks_per_node": tasks, "timeout_min": time_min, "name": "unifit"}
     if gpus_per_node:
         parameters["gpus_per_node"] = gpus_per_node
-    if runner.cluster == "slurm":
+    if executor_.cluster == "slurm":
         parameters.update(slurm_signal_delay_s=signal_delay_s, slurm_partition=partition, **(slurm_parameters or {}))
-    runner.update_parameters(**{k: v for k, v in parameters.items() if v is not None})
+    executor_.update_parameters(**{k: v for k, v in parameters.items() if v is not None})
     argv = ["fit", "-c", os.path.abspath(config), *overrides, "--ckpt-path", "auto"]
-    return runner.submit(ExperimentJob(argv))
+    return executor_.submit(ExperimentJob(argv, runner))
 
 
-def main_submit(args: Any, overrides: list[str]) -> int:
+def main_submit(args: Any, overrides: list[str], experiment: Any, runner: Callable[[list[str]], int]) -> int:
     """`unifit submit`: queue the job, say where its logs go; with --wait, wait for it and return its outcome."""
-    job = submit(
+    job = queue(
         args.config,
         overrides,
+        experiment,
+        runner,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         tasks_per_node=args.tasks_per_node,
