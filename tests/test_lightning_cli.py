@@ -143,7 +143,7 @@ def test_model_parallel_strategy_of_a_lightning_cli_file_maps_to_model_parallel(
     strategy = "{class_path: lightning.pytorch.strategies.ModelParallelStrategy, init_args: {%s}}"
     path = tmp_path / "mp.yaml"
     path.write_text(
-        "model: {class_path: tests.probe.tiny_gpt.LightningTP}\n"
+        "model: {class_path: tests.probe.tiny_gpt_lightning.LightningTP}\n"
         f"trainer: {{max_epochs: 1, strategy: {strategy % 'tensor_parallel_size: 2, data_parallel_size: 2'}}}\n"
     )
     result = cli("print-config", "-c", str(path))
@@ -151,7 +151,7 @@ def test_model_parallel_strategy_of_a_lightning_cli_file_maps_to_model_parallel(
     assert "strategy: model-parallel" in result.stdout, result.stdout
     assert "tensor_parallel: 2" in result.stdout and "data_parallel: 2" in result.stdout, result.stdout
     path.write_text(
-        f"model: {{class_path: tests.probe.tiny_gpt.LightningTP}}\ntrainer: {{strategy: {strategy % ''}}}\n"
+        f"model: {{class_path: tests.probe.tiny_gpt_lightning.LightningTP}}\ntrainer: {{strategy: {strategy % ''}}}\n"
     )
     result = cli("print-config", "-c", str(path))
     assert_ok(result)

@@ -22,6 +22,9 @@ YAML = REPO / "tests" / "probe" / "tiny_gpt.yaml"
 # ddp's float32 sums in another order: what the layouts may differ by after 6 steps
 CLOSE = 2e-5
 LAYOUT = {"tensor_parallel": 2, "plan": PLAN}  # 2 x 2 on 4 ranks
+# val_samples counted by a torchmetrics SumMetric instead of a logged sum: only where a layout's metric states are
+# the point (importing torchmetrics costs each rank seconds)
+TORCHMETRICS_VAL = ("--module.init_args.torchmetrics_val", "true")
 
 
 def _args(root: Path, strategy: str, procs: int, *overrides: str, options: dict | None = None, ckpt: str | None = None):
@@ -80,7 +83,7 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     ddp, tp = tmp_path / "ddp", tmp_path / "tp2xdp2"
     _, out = _run_together(
         _args(ddp, "ddp", 2, *uneven),
-        _args(tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, options=LAYOUT),
+        _args(tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, *TORCHMETRICS_VAL, options=LAYOUT),
     )
     assert "4 rank(s) = 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
     assert "14 layer(s) split over 2 ranks" in out.stderr, out.stderr
@@ -112,7 +115,7 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     assert [line["epoch"] for line in tp_lines] == [1, 2, 3]
     for mine, theirs in zip(tp_lines, ddp_lines):
         assert mine["samples_seen"] == 64.0  # logged with reduce_fx="sum": each sample once, not per tensor rank
-        assert mine["val_samples"] == 17.0  # a torchmetrics SumMetric: one state per replica gathered
+        assert mine["val_samples"] == 17.0  # tp's a torchmetrics SumMetric: one state per replica gathered
         assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)  # scaled by the 2 replicas' global batch
         for key in ("train/loss", "val_loss"):
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
@@ -125,8 +128,8 @@ def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(
     """Its configure_model splits the layers over self.device_mesh and shards them with fully_shard itself; the same
     LightningModule unsplit runs unchanged in pipeline stages."""
     whole, split, staged = tmp_path / "whole", tmp_path / "split", tmp_path / "staged"
-    whole_module = ("--module.class_path", "tests.probe.tiny_gpt.LightningWhole")
-    tp_module = ("--module.class_path", "tests.probe.tiny_gpt.LightningTP")
+    whole_module = ("--module.class_path", "tests.probe.tiny_gpt_lightning.LightningWhole")
+    tp_module = ("--module.class_path", "tests.probe.tiny_gpt_lightning.LightningTP")
     _, out = _run_together(
         _args(whole, "ddp", 2, *whole_module),
         _args(split, "model-parallel", 4, *tp_module, options={"tensor_parallel": 2}),
@@ -143,7 +146,7 @@ def test_a_module_written_for_lightnings_model_parallel_strategy_runs_unchanged(
     checked = tmp_path / "validated"
     result = run_unifit(  # on 2 ranks: the 2 x 2 shards read into one replica split over 2
         "launch", "--run", "validate", "--nproc-per-node", "2", "-c", str(YAML), "--trainer.root_dir", str(checked),
-        "--module.class_path", "tests.probe.tiny_gpt.LightningTP", "--trainer.strategy", "model-parallel",
+        "--module.class_path", "tests.probe.tiny_gpt_lightning.LightningTP", "--trainer.strategy", "model-parallel",
         "--trainer.strategy_options", '{"tensor_parallel": 2}', "--ckpt-path", _checkpoint(split, 3), timeout=200,
     )  # fmt: skip
     assert_ok(result)
@@ -158,7 +161,12 @@ def test_a_transformers_model_split_by_its_own_plan_over_every_rank_matches_one_
     its own `_tp_plan` over 4 ranks (no data parallelism, so no FSDP; the norms' weights are plain tensors on every
     rank beside the split ones, and clipping combines a mesh's norm with a plain one); one process trains the
     same global batch. The tied head and embedding stay one weight."""
-    llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama", "--trainer.precision", "bf16-mixed")
+    llama = (
+        "--module.class_path",
+        "tests.probe.tiny_gpt_lightning.TransformersLlama",
+        "--trainer.precision",
+        "bf16-mixed",
+    )
     one, tp4 = tmp_path / "one", tmp_path / "tp4"
     _, out = _run_together(
         _args(one, "single", 1, *llama),
@@ -176,7 +184,7 @@ def test_a_transformers_model_split_by_its_own_plan_over_every_rank_matches_one_
 
 
 def _initial_llama() -> dict[str, torch.Tensor]:
-    from tests.probe.tiny_gpt import TransformersLlama
+    from tests.probe.tiny_gpt_lightning import TransformersLlama
 
     return {f"model.{k}": v for k, v in TransformersLlama().model.state_dict().items()}
 
@@ -200,7 +208,7 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     layout = {"pipeline_parallel": 2, "microbatches": 4}
     _, out = _run_together(
         _args(ddp, "ddp", 2, *data),
-        _args(staged, "model-parallel", 4, *data, "--trainer.max_epochs", "2", options=layout),
+        _args(staged, "model-parallel", 4, *data, "--trainer.max_epochs", "2", *TORCHMETRICS_VAL, options=layout),
     )
     assert "4 rank(s) = 2 pipeline stages x 2 data-parallel x 1 tensor-parallel" in out.stderr, out.stderr
     assert "net split into 2 stages at net.blocks.1 (1f1b schedule)" in out.stderr, out.stderr
@@ -226,7 +234,7 @@ def test_pipeline_x_data_parallel_matches_ddp_and_its_checkpoint_resumes_on_othe
     assert [line["epoch"] for line in staged_lines] == [1, 2, 3]
     for mine, theirs in zip(staged_lines, metrics_lines(ddp), strict=True):
         assert mine["samples_seen"] == 52.0  # reduce_fx="sum" per micro-batch: each sample once, on the last stage
-        assert mine["val_samples"] == 33.0  # a torchmetrics SumMetric: the last stage's states only
+        assert mine["val_samples"] == 33.0  # staged's a torchmetrics SumMetric: the last stage's states only
         assert mine["lr"] == theirs["lr"] == pytest.approx(0.012)  # scaled by the 2 replicas
         for key in ("train/loss", "val_loss"):
             assert mine[key] == pytest.approx(theirs[key], abs=1e-5), key
@@ -336,7 +344,7 @@ def test_a_transformers_llama_runs_in_stages_built_from_its_blocks_and_matches_o
     tracer builds a stage that cannot run (its rotary embedding called without inputs), so unifit builds the 2
     stages from its decoder layers; each stage computes the rotary table and the mask itself. Against one process.
     The same against 2 tensor-parallel ranks with a hand-written sequence-parallel plan (LLAMA_SEQUENCE_PLAN)."""
-    llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama")
+    llama = ("--module.class_path", "tests.probe.tiny_gpt_lightning.TransformersLlama")
     one, staged, sequence = tmp_path / "one", tmp_path / "staged", tmp_path / "sequence"
     _, out = _run_together(
         _args(one, "single", 1, *llama),
@@ -463,7 +471,7 @@ def test_bad_layouts_and_plans_are_one_line_before_any_step(cli, tmp_path, optio
 def test_a_plan_that_would_untie_a_tied_weight_is_one_line(cli, tmp_path, plan, needles):
     """Tied embeddings split alike (the vocabulary's rows) stay one weight; split one way and not the other, the
     two layers would train two copies: refused."""
-    llama = ("--module.class_path", "tests.probe.tiny_gpt.TransformersLlama")
+    llama = ("--module.class_path", "tests.probe.tiny_gpt_lightning.TransformersLlama")
     _refused(cli("fit", *_layout(tmp_path, {"plan": plan}), *llama), *needles)
 
 

@@ -1,15 +1,14 @@
-"""A small GPT-style language model for the model-parallel tests, written twice: as a unifit TrainModule (split by
-a plan in the YAML) and as a LightningModule written for Lightning's ModelParallelStrategy (its configure_model
-splits the layers over self.device_mesh["tensor_parallel"] and shards with fully_shard over "data_parallel", as
-Lightning's tensor-parallel example does). Same weights from the same seed; attention reshapes heads with -1, so
-a rank's part of the heads works as well as all of them."""
+"""A small GPT-style language model for the model-parallel tests, as a unifit TrainModule (split by a plan in the
+YAML); tests/probe/tiny_gpt_lightning.py has the same network as LightningModules. Same weights from the same seed;
+attention reshapes heads with -1, so a rank's part of the heads works as well as all of them.
+
+Neither Lightning nor torchmetrics is imported here unless asked for (`torchmetrics_val: true`): each costs seconds
+of start-up in every rank of every launch, and most runs check other things."""
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 import torch.nn.functional as F
-import torchmetrics
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -155,13 +154,18 @@ class TinyGPT(unifit.TrainModule):
         tied=False,
         skip=False,
         ragged=False,
+        torchmetrics_val=False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = GPT(vocab, dim, heads, layers, seq, tied, skip)
         self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
         self.ragged = ragged  # training batches of their own lengths (cut_to_its_own_length)
-        self.val_samples = torchmetrics.SumMetric()
+        self.val_samples = None
+        if torchmetrics_val:  # val_samples counted by a torchmetrics metric: its states gathered once per replica
+            import torchmetrics
+
+            self.val_samples = torchmetrics.SumMetric()
 
     def training_step(self, batch, batch_idx):
         self.log("samples_seen", float(len(batch[0])), reduce_fx="sum")  # each sample once, whatever the layout
@@ -169,8 +173,11 @@ class TinyGPT(unifit.TrainModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", lm_loss(self.net, batch))
-        self.val_samples.update(torch.ones(len(batch[0])))  # a torchmetrics sum: each sample once, not per tensor rank
-        self.log("val_samples", self.val_samples)
+        if self.val_samples is None:
+            self.log("val_samples", float(len(batch[0])), reduce_fx="sum")
+        else:  # a torchmetrics sum: each sample once, not per tensor rank
+            self.val_samples.update(torch.ones(len(batch[0])))
+            self.log("val_samples", self.val_samples)
 
     def predict_step(self, batch, batch_idx):
         """Each sequence's predicted next token after its last one."""
@@ -210,110 +217,6 @@ class TargetsGPT(TinyGPT):
     def validation_step(self, batch, batch_idx):
         (seqs,) = batch
         self.log("val_loss", self.net(seqs[:, :-1], seqs[:, 1:])[1])
-
-
-class TokensLightning(L.LightningModule):
-    """What the LightningModules below share: AdamW, and the tokens as DataLoaders of 8."""
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(tokens(self.n_train, self.seq, self.vocab, seed=1), batch_size=8)
-
-    def val_dataloader(self):
-        return torch.utils.data.DataLoader(tokens(self.n_val, self.seq, self.vocab, seed=2), batch_size=8)
-
-
-class LightningTP(TokensLightning):
-    """Written for Lightning's ModelParallelStrategy: nothing unifit-specific."""
-
-    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = GPT(vocab, dim, heads, layers, seq)
-        self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
-
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-        parallelize_module(
-            self.net,
-            tp_mesh,
-            {
-                "embed": RowwiseParallel(input_layouts=Replicate()),
-                "head": ColwiseParallel(output_layouts=Replicate()),
-            },
-        )
-        for block in self.net.blocks:
-            parallelize_module(
-                block,
-                tp_mesh,
-                {
-                    "attn.q": ColwiseParallel(),
-                    "attn.k": ColwiseParallel(),
-                    "attn.v": ColwiseParallel(),
-                    "attn.o": RowwiseParallel(),
-                    "mlp.up": ColwiseParallel(),
-                    "mlp.down": RowwiseParallel(),
-                },
-            )
-        if dp_mesh.size() > 1:
-            for block in self.net.blocks:
-                fully_shard(block, mesh=dp_mesh)
-            fully_shard(self.net, mesh=dp_mesh)
-
-    def training_step(self, batch, batch_idx):
-        loss = lm_loss(self.net, batch)
-        self.log("train_loss", loss, on_step=True, on_epoch=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", lm_loss(self.net, batch))
-
-
-class LightningWhole(LightningTP):
-    """The same module unsplit (its configure_model does nothing): the reference ddp and one process train."""
-
-    def configure_model(self):
-        pass
-
-
-class TransformersLlama(TokensLightning):
-    """A Hugging Face transformers Llama (its code unchanged, a tiny configuration, embeddings tied to the head) in a
-    LightningModule as the HF/Lightning tutorials write one; `plan: auto` splits it by the model's own `_tp_plan`."""
-
-    def __init__(self, vocab=64, dim=32, heads=4, kv_heads=4, layers=2, seq=16, n_train=64, n_val=32, lr=3e-3):
-        super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=dim,
-            intermediate_size=2 * dim,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=seq + 1,
-            tie_word_embeddings=True,
-        )
-        self.model = LlamaForCausalLM(config)
-        self.vocab, self.seq, self.n_train, self.n_val, self.lr = vocab, seq, n_train, n_val, lr
-
-    def training_step(self, batch, batch_idx):
-        (seqs,) = batch
-        self.log("samples_seen", float(len(seqs)), reduce_fx="sum")
-        loss = self.model(input_ids=seqs, labels=seqs).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        (seqs,) = batch
-        self.log("val_loss", self.model(input_ids=seqs, labels=seqs).loss)
 
 
 class SavedBeforeTheFirstBatch(unifit.Callback):
