@@ -74,6 +74,7 @@ class Preemption(Callback):
         if self.save and not _saved_now(ctx):
             ctx.save_checkpoint()  # sets last_checkpoint on every rank (it returns the path on rank 0 only)
         path = ctx.last_checkpoint
+        ctx.wait_for_checkpoints()  # committed (it commits in the background) before the chained handler requeues
         self._chain(signum)
         kept = f"checkpoint {path} is committed" if path else "no checkpoint was written"
         raise Preempted(

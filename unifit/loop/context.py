@@ -21,6 +21,8 @@ class FitContext:
     current_lrs: Callable[[], list[float]]
     all_reduce_max: Callable[[Any], Any]
     save_checkpoint: Callable[..., str | None]
+    # until the checkpoints saved so far are committed (they commit on a background thread)
+    wait_for_checkpoints: Callable[[], None]
     model_files: Callable[[], dict[str, bytes]]
     # what the module logged since the last reduce, reduced over the ranks (a collective: every rank calls it)
     reduce_logged: Callable[[], dict[str, float]]

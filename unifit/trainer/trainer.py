@@ -227,6 +227,7 @@ class Trainer:
                 current_lrs=engine.current_lrs,
                 all_reduce_max=strategy.all_reduce_max,
                 save_checkpoint=self.save_checkpoint,
+                wait_for_checkpoints=self._wait_for_checkpoints,
                 model_files=engine.model_files,
                 resolved_config=self._resolved_config(given, cfg),
                 threads=engine.threads,
@@ -382,6 +383,10 @@ class Trainer:
             raise UnifitError("save_checkpoint() works only while fit() runs (e.g. from a callback)")
         path = run.ctx.last_checkpoint = run.checkpoints.save(self.state, name, after_commit)
         return path if run.ctx.is_global_zero else None
+
+    def _wait_for_checkpoints(self) -> None:
+        if self._run is not None:
+            self._run.checkpoints.wait()
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self, engine: Any, strategy: Any, dispatch: Dispatcher, ctx: FitContext) -> None:
