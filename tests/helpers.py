@@ -101,7 +101,7 @@ def probe_args(
     report_dir: Path | None = None,
 ) -> list[str]:
     report_dir = report_dir or Path(str(root)) / "reports"
-    report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
+    report = {"class_path": "tests.probe.callbacks.ProbeReport", "init_args": {"out_dir": str(report_dir)}}
     case = _case(strategy)
     args = [
         "launch",

@@ -360,7 +360,7 @@ def port_is_free(port: int) -> bool:
 
 
 def fit_args(root) -> list[str]:
-    report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
+    report = {"class_path": "tests.probe.callbacks.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
     return [
         "fit",
         "-c",

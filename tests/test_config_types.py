@@ -173,4 +173,4 @@ def test_untyped_arguments_and_kwargs_accept_anything():
 
 def test_trainer_callbacks_are_checked_by_trainer_too():
     with pytest.raises(ConfigError, match=r"unknown argument 'trainer\.callbacks\.0\.init_args\.bogus'"):
-        unifit.Trainer(callbacks=[{"class_path": "tests.probe.probe.ProbeReport", "init_args": {"bogus": 1}}])
+        unifit.Trainer(callbacks=[{"class_path": "tests.probe.callbacks.ProbeReport", "init_args": {"bogus": 1}}])

@@ -24,7 +24,9 @@ KILL_STRATEGIES = ["ddp", "smddp-like", "fsdp", "horovod", "mwms"]
 
 def _kill_args(root: Path, strategy: str) -> dict:
     rank = STRATEGY_PROCS[strategy] - 1  # smddp-like: a rank on the second 'node'
-    kill = [{"class_path": "tests.probe.probe.KillOnce", "init_args": {"marker": str(root / "killed"), "rank": rank}}]
+    kill = [
+        {"class_path": "tests.probe.callbacks.KillOnce", "init_args": {"marker": str(root / "killed"), "rank": rank}}
+    ]
     return {"callbacks": kill, "timeout": 180}
 
 
@@ -53,7 +55,7 @@ LAUNCHES = {
         ("test_save_checkpoint_on_one_rank_fails_instead_of_hanging", s): (
             s,
             ["--trainer.checkpoint.enabled", "false", "--trainer.collective_timeout_s", "5", "--trainer.callbacks"]
-            + [json.dumps([{"class_path": "tests.probe.probe.SaveOnRankZeroOnly"}])],
+            + [json.dumps([{"class_path": "tests.probe.callbacks.SaveOnRankZeroOnly"}])],
             lambda root: {"timeout": 130},
         )
         for s in ("ddp", "horovod")

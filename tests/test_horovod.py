@@ -53,7 +53,7 @@ def test_digits_examples_reach_95_percent_under_horovod(tmp_path, example):
 @pytest.mark.timeout(200)
 def test_hand_written_horovodrun_command_works(tmp_path):
     """`horovodrun -np 2 python -m unifit fit -c exp.yaml`, as the Horovod guides write it."""
-    report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(tmp_path / "reports")}}
+    report = {"class_path": "tests.probe.callbacks.ProbeReport", "init_args": {"out_dir": str(tmp_path / "reports")}}
     cmd = [
         sys.executable,
         "-m",

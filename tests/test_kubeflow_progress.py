@@ -70,7 +70,7 @@ def status_server(tmp_path):
 
 
 def _fit(cli, root, env):
-    slow = [{"class_path": "tests.probe.probe.SlowSteps", "init_args": {"seconds": 0.1}}]
+    slow = [{"class_path": "tests.probe.callbacks.SlowSteps", "init_args": {"seconds": 0.1}}]
     args = ["fit", "-c", str(PROBE_YAML), "--trainer.root_dir", str(root), "--trainer.max_epochs", "2"]
     result = cli(*args, "--trainer.callbacks", json.dumps(slow), env=env)
     assert result.returncode == 0, result.stderr

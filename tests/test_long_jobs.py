@@ -42,7 +42,7 @@ STEPS = (
 
 
 def _signal_at(rank: int) -> list[dict]:
-    return [{"class_path": "tests.probe.probe.SignalAt", "init_args": {"rank": rank, "batch": 1}}]
+    return [{"class_path": "tests.probe.callbacks.SignalAt", "init_args": {"rank": rank, "batch": 1}}]
 
 
 def _assert_same_run(a: Path, b: Path) -> None:
@@ -105,7 +105,7 @@ def _saved_progress(checkpoint: Path) -> dict:
 @pytest.mark.launch
 @pytest.mark.timeout(300)
 def test_sigterm_to_launch_is_forwarded_and_the_job_continues(tmp_path):
-    slow = [{"class_path": "tests.probe.probe.SlowSteps", "init_args": {"seconds": 1.0}}]  # 4 batches per epoch
+    slow = [{"class_path": "tests.probe.callbacks.SlowSteps", "init_args": {"seconds": 1.0}}]  # 4 batches per epoch
     run = tmp_path / "run"
     proc = start_unifit(*probe_args("ddp", run, *STEPS, "--trainer.max_epochs", "3", callbacks=slow))
     try:
@@ -132,7 +132,7 @@ def test_sigterm_to_launch_is_forwarded_and_the_job_continues(tmp_path):
 @pytest.mark.timeout(420)
 def test_max_restarts_continue_after_kill_9_of_one_rank(tmp_path, reference_run):
     full, part = reference_run("ddp"), tmp_path / "part"
-    kill = [{"class_path": "tests.probe.probe.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}]
+    kill = [{"class_path": "tests.probe.callbacks.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}]
     result = run_unifit(*probe_args("ddp", part, *STEPS, callbacks=kill), "--max-restarts", "1", timeout=300)
     assert_ok(result)
     assert (tmp_path / "killed").exists()  # rank 1 really died once

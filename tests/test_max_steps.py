@@ -119,7 +119,7 @@ def test_val_check_interval_validates_inside_epochs_without_changing_the_trainin
 def test_max_steps_and_val_check_interval_under_a_torch_and_a_keras_strategy(tmp_path, strategy):
     """The probe: 64 samples of batch 8 on 2 replicas, 4 steps an epoch; 6 steps end mid-way through epoch 2;
     validations after batch 2 and 4 of epoch 1, and at the stop (batch 2 of epoch 2), alike on every rank."""
-    log = {"class_path": "tests.probe.probe.ValidationLog", "init_args": {"out_dir": str(tmp_path / "v")}}
+    log = {"class_path": "tests.probe.callbacks.ValidationLog", "init_args": {"out_dir": str(tmp_path / "v")}}
     overrides = [
         "--trainer.max_steps",
         "6",

@@ -71,7 +71,7 @@ def _fit_args(
     """The probe of the strategy's row in helpers.STRATEGIES, without its one-host options (the hosts
     are the nodes here)."""
     case = STRATEGY[strategy]
-    report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
+    report = {"class_path": "tests.probe.callbacks.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
     args = [
         "-c",
         str(case.probe_yaml),
@@ -347,7 +347,7 @@ def cut_mid_run(
     return out
 
 
-SLOW = [{"class_path": "tests.probe.probe.SlowSteps", "init_args": {"seconds": 1.0}}]
+SLOW = [{"class_path": "tests.probe.callbacks.SlowSteps", "init_args": {"seconds": 1.0}}]
 TIMEOUT = ("--trainer.collective_timeout_s", "10")
 
 

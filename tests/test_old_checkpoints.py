@@ -17,7 +17,7 @@ OLD = Path(__file__).parent / "data" / "old_checkpoints"
 
 
 def _args(yaml: Path, root: Path, *extra: str) -> list[str]:
-    report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
+    report = {"class_path": "tests.probe.callbacks.ProbeReport", "init_args": {"out_dir": str(root / "reports")}}
     return [
         "-c",
         str(yaml),

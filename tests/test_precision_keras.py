@@ -82,7 +82,10 @@ def _fits(root: Path) -> list[tuple[str, list[str]]]:
     """(name, command-line arguments) of every in-process fit, in order."""
 
     def fit(name: str, strategy: str, *extra: str, ckpt: str | None = None) -> tuple[str, list[str]]:
-        report = {"class_path": "tests.probe.probe.ProbeReport", "init_args": {"out_dir": str(root / name / "reports")}}
+        report = {
+            "class_path": "tests.probe.callbacks.ProbeReport",
+            "init_args": {"out_dir": str(root / name / "reports")},
+        }
         options = ["--trainer.strategy_options", "{devices: 2}"] if strategy == "mirrored" else []
         args = [
             "fit",

@@ -19,7 +19,7 @@ from unifit.strategies.launchers.notices import catches, descendants, notices_pa
 
 
 def _fit(cli, root, *extra: str, signum: int | None = None):
-    callbacks = [{"class_path": "tests.probe.probe.SignalAt", "init_args": {"signum": signum}}] if signum else []
+    callbacks = [{"class_path": "tests.probe.callbacks.SignalAt", "init_args": {"signum": signum}}] if signum else []
     args = ["fit", "-c", str(PROBE_YAML), "--trainer.root_dir", str(root), "--trainer.callbacks", json.dumps(callbacks)]
     return cli(*args, "--trainer.preemption.check_every_n_steps", "1", *extra)
 

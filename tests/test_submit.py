@@ -33,7 +33,7 @@ STEPS = ("--trainer.checkpoint.every_n_steps", "2", "--trainer.preemption.check_
 @pytest.mark.timeout(300)
 def test_a_job_told_sigusr2_is_requeued_and_ends_as_the_uninterrupted_run(tmp_path, reference_run, clean_environment):
     root = tmp_path / "run"
-    slow = [{"class_path": "tests.probe.probe.SlowSteps", "init_args": {"seconds": 0.3}}]
+    slow = [{"class_path": "tests.probe.callbacks.SlowSteps", "init_args": {"seconds": 0.3}}]
     args = probe_args("ddp", root, *STEPS, callbacks=slow)  # launch --nproc-per-node 2 -c YAML OVERRIDES...
     job = submit(args[4], args[5:], tasks_per_node=2, executor="local", folder=str(tmp_path / "submitit"))
     deadline = time.time() + 150

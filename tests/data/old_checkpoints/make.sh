@@ -12,7 +12,7 @@ cd "$repo"
 common=(--trainer.max_epochs 1 --trainer.tensorboard.enabled false --trainer.seed 7)
 report() {  # the weights digest and metrics each run ends with, beside its checkpoint
   echo "--trainer.callbacks"
-  echo "[{\"class_path\": \"tests.probe.probe.ProbeReport\", \"init_args\": {\"out_dir\": \"$work/$1/reports\"}}]"
+  echo "[{\"class_path\": \"tests.probe.callbacks.ProbeReport\", \"init_args\": {\"out_dir\": \"$work/$1/reports\"}}]"
 }
 # torch, one process: a mid-epoch step checkpoint (data position, partial epoch sums, RNG, callbacks)
 "$unifit" fit -c tests/probe/probe.yaml "${common[@]}" --trainer.root_dir "$work/single" \
