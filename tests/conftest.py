@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import sys
 import uuid
 
@@ -53,16 +54,27 @@ class S3Endpoint:
 def reference_run(tmp_path_factory):
     """reference_run(case) -> the root of one uninterrupted 3-epoch probe run of that strategy row.
 
-    Run once per session and shared, read-only, by the suites that compare against it (conformance
-    checks, exact resume after preemption or a restart): each launch costs seconds, TensorFlow's ~10 s.
+    Run once per session (once for all pytest-xdist workers) and shared, read-only, by the suites that compare
+    against it (conformance checks, exact resume after preemption or a restart): each launch costs seconds,
+    TensorFlow's ~10 s.
     """
+    from filelock import FileLock
+
     from tests.helpers import _case, assert_ok, at_most, launch_probe
 
     roots = {}
+    # on pytest-xdist workers, one directory for all of them: a run one worker made, the others read
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
 
     def launched(case):
-        root = tmp_path_factory.mktemp(f"reference-{case.id}")
-        assert_ok(launch_probe(case, root))
+        root = shared / f"reference-{case.id}"
+        with FileLock(f"{root}.lock"):
+            if not (root / ".made").exists():
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir()
+                assert_ok(launch_probe(case, root))
+                (root / ".made").touch()
         roots[case.id] = root
         return root
 
@@ -78,6 +90,34 @@ def reference_run(tmp_path_factory):
 
     run.prefetch = prefetch
     return run
+
+
+# The files that take longest, longest first (the "slowest files" section of a whole run, 2 cores): on several
+# pytest-xdist workers (scripts/run_tests.sh) each takes whole files in this order, so the longest start first and
+# the workers finish together instead of one running test_model_parallel.py alone at the end.
+LONGEST_FIRST = (
+    "test_model_parallel.py",
+    "test_multihost.py",
+    "test_soak.py",
+    "test_zoo.py",
+    "test_long_jobs.py",
+    "test_parameter_server.py",
+    "test_s3.py",
+    "test_migrating.py",
+    "test_sagemaker.py",
+    "test_keras_zoo.py",
+    "test_fsdp.py",
+    "test_evaluation.py",
+    "test_precision.py",
+    "test_distributed_failures.py",
+    "test_precision_keras.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: every worker sorts alike
+        rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 LAUNCHER_VARIABLES = (
@@ -212,11 +252,17 @@ _seconds_per_file: dict[str, float] = {}
 _idle_seconds: list[tuple[float, float, float, str]] = []  # (idle, wall, cpu, test): where the machine waited
 
 
-def _record_idle(item, before) -> None:
-    """A test's wall time and CPU time (this process's and every child's it reaped: launched ranks too)."""
-    after = os.times()
-    wall, cpu = after.elapsed - before.elapsed, sum(after[i] - before[i] for i in range(4))
-    _idle_seconds.append((wall - cpu / (os.cpu_count() or 1), wall, cpu, item.nodeid))
+def _timed(item, phase: str):
+    """A phase's wall time and CPU time (this process's and every child's it reaped: launched ranks too), kept in
+    the test's user_properties: they travel with its reports to the process that prints the summary (pytest-xdist's
+    controller, when the suite runs on several workers)."""
+    before = os.times()
+    try:
+        return (yield from _in_phase(item))
+    finally:
+        after = os.times()
+        wall, cpu = after.elapsed - before.elapsed, sum(after[i] - before[i] for i in range(4))
+        item.user_properties.append(("unifit_seconds", (phase, wall, cpu)))
 
 
 _passed: set[str] = set()
@@ -231,6 +277,13 @@ def pytest_runtest_logreport(report) -> None:
     _seconds_per_file[report.nodeid.split("::", 1)[0]] = (
         _seconds_per_file.get(report.nodeid.split("::", 1)[0], 0.0) + report.duration
     )
+    for name, value in report.user_properties:
+        if name == "unifit_seconds" and value[0] == report.when:
+            _, wall, cpu = value
+            label = report.nodeid if report.when == "call" else f"{report.nodeid} ({report.when})"
+            _idle_seconds.append((wall - cpu / (os.cpu_count() or 1), wall, cpu, label))
+        if name == "unifit_launch_started" and report.when == "teardown":
+            _launch_marked_started[report.nodeid] = value
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -357,6 +410,8 @@ def pytest_fixture_setup(fixturedef, request):
 def _launch_guard_to(item) -> None:
     if item.nodeid in _launch_marked_started and _launching_fixtures.intersection(getattr(item, "fixturenames", ())):
         _launch_marked_started[item.nodeid] = True
+    if item.nodeid in _launch_marked_started:  # to the summary, in this process or pytest-xdist's controller
+        item.user_properties.append(("unifit_launch_started", _launch_marked_started[item.nodeid]))
     _launch_state.update(item=None, refuse=False)
 
 
@@ -417,16 +472,12 @@ def _in_phase(item):
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item):
     _launch_guard_from(item)
-    return (yield from _in_phase(item))
+    return (yield from _timed(item, "setup"))  # a module's fixtures (its shared launches) count in its first test
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item):
-    before = os.times()
-    try:
-        return (yield from _in_phase(item))
-    finally:
-        _record_idle(item, before)
+    return (yield from _timed(item, "call"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
