@@ -23,19 +23,29 @@ log = logging.getLogger("unifit")
 NOTICES = (signal.SIGUSR1, signal.SIGUSR2)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc (empty where there is none)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc (empty where there is none)."""
     found: list[int] = []
     stack = [pid]
     while stack:
-        parent = stack.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except (OSError, ValueError):
-                continue
-            found += children
-            stack += children
+        below = children(stack.pop())
+        found += below
+        stack += below
     return found
 
 

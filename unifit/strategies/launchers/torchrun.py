@@ -18,6 +18,7 @@ import time
 from typing import Iterator
 
 from unifit.strategies.launchers.base import Launcher, LaunchSpec, failure_line, fit_command, terminal_announced
+from unifit.strategies.launchers.notices import children
 
 RDZV_READ_TIMEOUT_S = 15
 
@@ -126,7 +127,7 @@ class _StuckAgentWatch:
     def _watch(self) -> None:
         failed: dict[int, tuple[int, float]] = {}  # pid -> (exit code, first seen)
         while not self._stop.wait(1.0):
-            for pid in _children():
+            for pid in children(os.getpid()):
                 if pid not in self.ranks:
                     self.ranks[pid] = _rank_of(pid)
                 try:  # WNOWAIT: look without reaping, the agent still collects it
@@ -154,7 +155,7 @@ class _StuckAgentWatch:
             file=sys.stderr,
             flush=True,
         )
-        alive = _children()
+        alive = children(os.getpid())
         for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
             for pid in alive:
                 try:
@@ -168,22 +169,8 @@ class _StuckAgentWatch:
         os._exit(code)
 
 
-def _children() -> list[int]:
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me:
-                found.append(int(entry))
-    return found
-
-
 def _is_child(pid: int) -> bool:
-    return pid in _children()
+    return pid in children(os.getpid())
 
 
 def _running(pid: int) -> bool:
