@@ -235,10 +235,11 @@ def _count(predictions: Any) -> int:
 
 def _experiment_objects(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[Any, Any, Any]:
     """(Trainer, module, data) of the experiment file, built in this process."""
+    from unifit._imports import load_object
     from unifit.config.init_args import build
     from unifit.trainer.trainer import Trainer
 
-    experiment = load_experiment(args.config, overrides)  # imports the module's class (and torch with it)
+    experiment = load_experiment(args.config, overrides)
     if experiment._lightning_run is not None:
         from unifit.config.lightning_cli import check_processes
 
@@ -246,6 +247,7 @@ def _experiment_objects(args: argparse.Namespace, overrides: dict[str, str]) -> 
         check_processes(experiment._lightning_run, env.local_world_size, env.world_size, args.config)
     trainer = Trainer(experiment.trainer)
     trainer.experiment = experiment
+    load_object(experiment.module.class_path, field="module.class_path")  # its framework (torch) loaded to be seeded
     _seed_init(experiment.trainer.seed)
     module = build(experiment.module.class_path, experiment.module.init_args, "module")  # nested objects too
     data = None

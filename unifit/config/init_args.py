@@ -22,12 +22,32 @@ from typing_extensions import NotRequired, Required, TypedDict
 
 from unifit._imports import load_object
 from unifit.config.schema import ClassPath
+from unifit.config.source_signature import signature_from_source
 from unifit.errors import ConfigError
 
 
 def check(class_path: str, init_args: dict[str, Any], field: str) -> None:
-    """Import `class_path` and validate `init_args` (nested class paths too) without building anything."""
+    """Validate `init_args` (nested class paths too) without building anything: from the class's source file where
+    that is certain (source_signature.py: the launching process need not import the user's framework), else by
+    importing `class_path`. A refusal always comes from the import's check, in its words."""
+    if not _has_class_path(list(init_args.values())) and _fits_from_source(class_path, init_args, field):
+        return
     _arguments(class_path, init_args, field, make=False)
+
+
+def _fits_from_source(class_path: str, init_args: dict[str, Any], field: str) -> bool:
+    found = signature_from_source(class_path)
+    if found is None:
+        return False
+    name, signature = found
+    params = {n: p for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    extra_allowed = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    hints = {n: p.annotation for n, p in params.items()}
+    try:
+        _validate(types.SimpleNamespace(__qualname__=name), params, hints, dict(init_args), extra_allowed, field)
+    except ConfigError:
+        return False  # the import's check says what is wrong
+    return True
 
 
 def build(class_path: str, init_args: dict[str, Any], field: str) -> Any:
