@@ -98,6 +98,7 @@ def reference_run(tmp_path_factory):
 LONGEST_FIRST = (
     "test_model_parallel.py",
     "test_multihost.py",
+    "test_ray.py",
     "test_soak.py",
     "test_zoo.py",
     "test_long_jobs.py",
@@ -140,6 +141,7 @@ LAUNCHER_VARIABLES = (
     "PET_MASTER_ADDR",
     "PET_MASTER_PORT",
     "KUBEFLOW_TRAINER_STATUS_URL",
+    "UNIFIT_RAY_TRAIN",
     "KUBERNETES_SERVICE_HOST",
 )
 

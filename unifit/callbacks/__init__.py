@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unifit.callbacks import kubeflow_progress
+from unifit.callbacks import kubeflow_progress, ray_report
 from unifit.callbacks.checkpoint import IntervalCheckpoint, ModelCheckpoint
 from unifit.callbacks.early_stopping import EarlyStopping
 from unifit.callbacks.foreign import CallbackPlan, is_foreign_callback, plan_callbacks
@@ -76,6 +76,8 @@ def default_callbacks(
     callbacks.append(EpochSummary())
     if kubeflow_progress.wanted():  # a Kubeflow TrainJob asked for its progress
         callbacks.append(kubeflow_progress.KubeflowProgress())
+    if ray_report.wanted():  # a Ray Train worker (unifit.ray): metrics and checkpoints to Ray
+        callbacks.append(ray_report.RayTrainReport())
     if ProgressBar.wanted(cfg.progress_bar):
         callbacks.append(ProgressBar())
     return callbacks

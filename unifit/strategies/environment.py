@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -77,6 +78,20 @@ def from_torchrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment | 
         master_port=_int(env, "MASTER_PORT", 29500),
         source="torchrun",
     )
+
+
+RAY_TRAIN_MARKER = "UNIFIT_RAY_TRAIN"  # set by unifit.ray in each Ray Train worker before the fit starts
+
+
+def from_ray_train(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """A Ray Train worker running unifit.ray's loop: Ray started the process, set RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR/PORT and made the process group itself (it is used, not made again).
+    Its variables look like torchrun's, so the marker unifit.ray sets tells them apart."""
+    env = os.environ if env is None else env
+    found = from_torchrun(env) if RAY_TRAIN_MARKER in env else None
+    if found is None:
+        return None
+    return dataclasses.replace(found, node_rank=_int(env, "NODE_RANK", found.node_rank), source="ray")
 
 
 def from_horovodrun(env: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
@@ -314,12 +329,14 @@ def from_kubeflow_trainer(env: Mapping[str, str] | None = None) -> ClusterEnviro
     return _one_process_per_node(env, node, nodes, "PET_", "trainjob")
 
 
-# Readers tried in order; the first that recognises its launcher's variables wins. A launcher started
+# Readers tried in order; the first that recognises its launcher's variables wins (Ray Train's workers first: their
+# variables are torchrun's plus unifit.ray's marker). A launcher started
 # inside another's allocation sets its own variables on the processes it starts, so the innermost
 # launcher comes first: torchrun, horovodrun, mpirun and the TF_CONFIG workers (`unifit launch` in an
 # srun task or a PyTorchJob pod) before SLURM, whose variables every process of the allocation inherits,
 # and before the bare RANK/WORLD_SIZE of a PyTorchJob pod; a TrainJob pod sets PET_* alone.
 READERS = (
+    from_ray_train,
     from_torchrun,
     from_horovodrun,
     from_open_mpi,

@@ -1,0 +1,80 @@
+"""Ray Train runs an experiment unchanged (unifit.ray): Ray's TorchTrainer starts 2 workers on gloo (ray.init with
+2 CPUs), each runs `unifit fit` on Ray's ranks and process group, and the weights equal `unifit launch`'s of the
+same experiment, bit for bit, under ddp and fsdp. Under ddp one worker is killed (kill -9) in the second epoch:
+Ray's FailureConfig restarts the group, which continues from the last checkpoint reported and still ends with the
+uninterrupted run's weights; the checkpoints Ray lists are unifit's, where unifit committed them.
+
+Ray's own start-up costs ~6 s, each TorchTrainer's ~10-20 s on this 2-core machine: one driver process runs both."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import PROBE_YAML, reports, start_python, stop
+
+pytest.importorskip("ray.train", reason="unifit[ray] (ray[train]) is not installed")
+
+
+def _run(tmp_path, strategy: str, callbacks: list[dict], **options) -> dict:
+    report = {
+        "class_path": "tests.probe.callbacks.ProbeReport",
+        "init_args": {"out_dir": str(tmp_path / strategy / "reports")},
+    }
+    overrides = ["--trainer.strategy", strategy, "--trainer.callbacks", json.dumps([report, *callbacks])]
+    return {
+        "config": str(PROBE_YAML),
+        "overrides": overrides,
+        "num_workers": 2,
+        "storage_path": str(tmp_path / "storage"),
+        "name": strategy,
+        **options,
+    }
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(600)
+def test_ray_train_workers_equal_a_launch_and_a_killed_worker_resumes(tmp_path, reference_run):
+    reference_run.prefetch(["ddp", "fsdp"])
+    kill = {"class_path": "tests.probe.callbacks.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}
+    runs = [_run(tmp_path, "ddp", [kill], max_failures=1), _run(tmp_path, "fsdp", [])]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    driver = start_python("-m", "tests.probe.ray_driver", str(tmp_path / "runs.json"), str(tmp_path / "out.json"))
+    out, err = stop(driver, timeout=540)
+    assert driver.returncode == 0, err[-6000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert (tmp_path / "killed").exists(), "the worker was not killed"
+    for strategy, result in zip(("ddp", "fsdp"), results, strict=True):
+        assert result["error"] is None, result
+        mine, theirs = reports(tmp_path / strategy), reports(reference_run(strategy))
+        assert [r["weights_sha256"] for r in mine] == [r["weights_sha256"] for r in theirs], strategy
+        assert result["metrics"]["epoch"] == 3 and result["metrics"]["val/loss"] == theirs[0]["metrics"]["val/loss"]
+        # the checkpoints Ray lists: unifit's own, committed in the run directory on Ray's storage path
+        run_dir = tmp_path / "storage" / strategy
+        names = [path.rsplit("/", 1)[-1] for path in result["checkpoints"]]
+        assert all(path.startswith(f"{run_dir}/checkpoints/") for path in result["checkpoints"]), result
+        assert names[-1] == "epoch=0003-step=0000012" and len(set(names)) == len(names), names
+        assert result["checkpoint"] == result["checkpoints"][-1]
+    assert "resumed from" in err + out, err[-4000:]  # the restarted group continued from the epoch-1 checkpoint
+
+
+def test_a_strategy_with_a_launcher_of_its_own_is_refused_before_ray_starts(tmp_path):
+    import unifit.ray
+    from tests.helpers import KERAS_PROBE_YAML
+    from unifit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.strategy: mwms under Ray Train: .*run one of single, ddp"):
+        unifit.ray.loop_config(KERAS_PROBE_YAML, ["--trainer.strategy", "mwms"], storage_path=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"module.init_args.n_trian"):  # a mistake in the experiment: one line
+        unifit.ray.loop_config(PROBE_YAML, ["--module.init_args.n_trian", "3"], storage_path=str(tmp_path))
+
+
+def test_ray_trains_ranks_and_its_process_group_are_read_as_ray_s():
+    from unifit.strategies.environment import RAY_TRAIN_MARKER, detect
+
+    ray_worker = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1"}
+    ray_worker |= {"MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "41000"}
+    env = detect({**ray_worker, RAY_TRAIN_MARKER: "1"})
+    assert (env.source, env.rank, env.world_size, env.local_rank, env.node_rank) == ("ray", 3, 4, 1, 1)
+    assert detect(ray_worker).source == "torchrun"  # without unifit.ray's marker: torchrun's variables
