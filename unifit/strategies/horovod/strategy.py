@@ -118,10 +118,12 @@ class HorovodStrategy(Strategy):
             os.environ.setdefault(key, value)
 
     def teardown(self) -> None:
-        if self._started:
-            if self.watchdog is not None:
-                self.watchdog.close()
-            self.hvd.shutdown()
+        """Horovod stays initialized to the end of the process (hvd.init registers its shutdown at exit), as a
+        script's own hvd.init() does: a second fit's init is a no-op. Shut down and initialized again, Horovod's
+        gloo rendezvous raced (rank 0 connected to a rank-1 port no longer listening: 'Connection refused',
+        SIGABRT), once in a few dozen re-inits on a busy machine (the model zoo fits 16 times per process)."""
+        if self._started and self.watchdog is not None:
+            self.watchdog.close()
         self._started = False
 
     # ---- collectives ----------------------------------------------------------------------
