@@ -71,12 +71,3 @@ def _checkpoint(path: str) -> Any:
 def _already_stored(checkpoint: Any, dir_name: str) -> Any:
     """Ray's upload: nothing to copy, unifit committed it where it stays."""
     return checkpoint
-
-
-def checkpoint_uri(checkpoint: Any) -> str:
-    """A Ray Checkpoint's location as unifit names it: a local path, or scheme://path."""
-    import pyarrow.fs
-
-    if isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
-        return str(checkpoint.path)
-    return f"{checkpoint.filesystem.type_name}://{checkpoint.path}"

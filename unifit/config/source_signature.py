@@ -44,7 +44,7 @@ def signature_from_source(class_path: str) -> tuple[str, inspect.Signature] | No
     init = _own_init(cls) if cls is not None else None
     if init is None:
         return None
-    typing_names = _imported_from_typing(tree)
+    typing_names = _usable_names(tree)
     try:
         return name, _signature(init, typing_names)
     except _NotCertain:
@@ -132,7 +132,7 @@ def _bound_names(node: ast.stmt) -> set[str]:
     }
 
 
-def _imported_from_typing(tree: ast.Module) -> set[str]:
+def _usable_names(tree: ast.Module) -> set[str]:
     """The names a hint may use: the builtin types the module does not rebind, and typing's forms it imports."""
     from_typing: set[str] = set()
     for node in tree.body:
