@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from tests.helpers import REPO
+from unifit.cli.main import parse_overrides
+from unifit.config.loading import apply_overrides
 from unifit.errors import ConfigError
-from unifit.sagemaker import SageMakerEnvironment, parse_hosts
+from unifit.sagemaker import SageMakerEnvironment, dotted_arguments, parse_hosts
 
 TRAIN_BIN = Path(sys.executable).parent / "train"
 DIGITS = str(REPO / "examples" / "digits" / "torch.yaml")
@@ -261,6 +263,22 @@ def test_mpi_style_launch_as_sagemakers_mpi_and_smdistributed_launchers_set_it(t
     assert "world size 2" in outs[0]
     assert (tmp_path / "model" / "model.pt").exists()
     assert (tmp_path / "output" / "run" / "metrics.jsonl").exists()
+
+
+def test_nested_hyperparameters_merge_into_the_experiment_as_dotted_ones_do():
+    """SDK 3's ModelTrainer passes {"trainer": {...}} as `--trainer '{...}'` (a dotted name breaks its sm_train.sh)."""
+    nested = {"max_epochs": 10, "strategy": "ddp", "checkpoint": {"dir": "ckpt"}, "callbacks": [], "export_dir": None}
+    arguments = ["--trainer", json.dumps(nested), "--module.init_args.lr", "0.1", "--data.init_args.path", "{x}"]
+    dotted = dotted_arguments(arguments)
+    assert dotted == [
+        "--trainer.max_epochs", "10", "--trainer.strategy", '"ddp"', "--trainer.checkpoint.dir", '"ckpt"',
+        "--trainer.callbacks", "[]", "--trainer.export_dir", "null",
+        "--module.init_args.lr", "0.1", "--data.init_args.path", "{x}",
+    ]  # fmt: skip
+    experiment = {"trainer": {"max_epochs": 3, "seed": 7, "checkpoint": {"dir": "old", "keep_last_n": 2}}}
+    merged = apply_overrides(experiment, parse_overrides(dotted))["trainer"]
+    assert merged["seed"] == 7 and merged["checkpoint"] == {"dir": "ckpt", "keep_last_n": 2}
+    assert (merged["max_epochs"], merged["strategy"], merged["export_dir"]) == (10, "ddp", None)
 
 
 def test_malformed_sm_hosts_is_a_clear_error():

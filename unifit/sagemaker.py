@@ -1,8 +1,9 @@
 """SageMaker integration: read SageMaker's environment and run an experiment the way it expects.
 
-An estimator runs `entry_point="train.py"` holding `from unifit.sagemaker import main; main()`,
-with hyperparameters such as {"config": "exp.yaml", "trainer.max_epochs": 10}. SageMaker
-passes them as `--config exp.yaml --trainer.max_epochs 10`, which are unifit's own overrides.
+A ModelTrainer (or an SDK 2 estimator) runs `train.py` holding `from unifit.sagemaker import main; main()`,
+with hyperparameters such as {"config": "exp.yaml", "trainer": {"max_epochs": 10}}. SageMaker passes them as
+`--config exp.yaml --trainer '{"max_epochs": 10}'`, merged key by key as unifit's own overrides
+(`--trainer.max_epochs 10`, the form SDK 2 also takes).
 Or a script of the user's that makes its own Trainer (or uses TensorFlow's strategies itself):
 {"script": "train_ps.py", "strategy": "parameter-server", ...}; the other hyperparameters are its arguments.
 What SageMaker provides is mapped onto the config:
@@ -162,7 +163,7 @@ def _main(argv: list[str]) -> int:
         )
     if args.script:
         return _script_job(args, extra, sm)
-    overrides = cli.parse_overrides(extra)
+    overrides = cli.parse_overrides(dotted_arguments(extra))
     overrides.update(sm.overrides(apply_overrides(load_yaml(args.config), overrides)))
     fit_args = ["-c", args.config]
     for key, value in overrides.items():
@@ -185,6 +186,43 @@ def _main(argv: list[str]) -> int:
     if spec.nnodes == 1 and spec.nproc_per_node == 1 and not spec.num_ps:
         return cli.main(["fit", *fit_args])
     return launcher.launch(spec)
+
+
+def dotted_arguments(arguments: list[str]) -> list[str]:
+    """Hyperparameters given nested, `{"trainer": {"max_epochs": 10}}`, as dotted overrides, key by key.
+
+    SageMaker SDK 3's container script exports every hyperparameter as SM_HP_<NAME>, which fails on a dotted name
+    ("not a valid identifier") before the entry point runs: under ModelTrainer the overrides come as one JSON object
+    per section (`--trainer '{"max_epochs": 10}'`), merged into the experiment as the dotted form would be.
+    """
+    out: list[str] = []
+    items = list(arguments)
+    while items:
+        flag = items.pop(0)
+        value = _json_object(items[0]) if flag.startswith("--") and "=" not in flag and items else None
+        if value is None:
+            out.append(flag)
+            continue
+        items.pop(0)
+        for key, leaf in _leaves(flag[2:], value):
+            out += [f"--{key}", leaf]
+    return out
+
+
+def _json_object(raw: str) -> dict[str, Any] | None:
+    if not raw.lstrip().startswith("{"):
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) and value else None
+
+
+def _leaves(prefix: str, value: Any) -> list[tuple[str, str]]:
+    if isinstance(value, dict) and value:
+        return [leaf for key, child in value.items() for leaf in _leaves(f"{prefix}.{key}", child)]
+    return [(prefix, json.dumps(value))]
 
 
 def _script_job(args: Any, script_args: list[str], sm: SageMakerEnvironment) -> int:
