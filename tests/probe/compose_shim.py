@@ -9,7 +9,8 @@ in a mount namespace of its own (`unshare --mount`) where
 - /opt and the Python environment are overlays, so what the job installs (`pip install -r requirements.txt`)
   stays in that "container" (its writable layer, kept under <compose dir>/.shim/<service>/) and never reaches
   this machine's environment;
-- /etc/hosts names every service at 127.0.0.1, as compose's network aliases do.
+- the network is its own: a network namespace per service on one bridge (tests/netns.py), its address named in
+  /etc/hosts by the service's name (algo-1, ...), as compose's network aliases do, and by this machine's host name.
 
 The image is this machine's Python environment (the interpreter running this file); `image` is not pulled.
 Only what the SDK calls is implemented: `docker compose version` and `docker compose -f FILE up ...`. A failed
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +30,9 @@ from pathlib import Path
 
 import psutil
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.netns import Cluster  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -46,28 +51,34 @@ def up(compose_file: Path) -> int:
     services = yaml.safe_load(compose_file.read_text())["services"]
     shim = compose_file.parent / ".shim"
     shim.mkdir(exist_ok=True)
-    hosts = shim / "hosts"
-    hosts.write_text(Path("/etc/hosts").read_text() + f"\n127.0.0.1 {' '.join(services)}\n")
-    procs: dict[str, subprocess.Popen] = {}
-    for name, spec in services.items():
-        service = {
-            "volumes": spec.get("volumes", []),
-            "environment": spec.get("environment", []),
-            "entrypoint": spec["entrypoint"],
-            "scratch": str(shim / name),
-            "hosts": str(hosts),
-            "prefix": sys.prefix,
-        }
-        command = ["unshare", "--mount", "--propagation", "private", sys.executable, __file__, "_service"]
-        procs[name] = subprocess.Popen(
-            [*command, json.dumps(service)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-    printers = [threading.Thread(target=_print_lines, args=(name, proc), daemon=True) for name, proc in procs.items()]
-    for printer in printers:
-        printer.start()
-    code = _wait(procs)
-    for printer in printers:
-        printer.join(timeout=10)
+    with Cluster(len(services)) as network:
+        (shim / "namespaces").write_text("\n".join([*network.namespaces, network.switch]))  # for a killed shim
+        names = "".join(f"{address} {name}\n" for address, name in zip(network.addresses, services))
+        procs: dict[str, subprocess.Popen] = {}
+        for host, (name, spec) in enumerate(services.items()):
+            hosts = shim / f"{name}.hosts"
+            hosts.write_text(f"127.0.0.1 localhost\n{names}{network.addresses[host]} {socket.gethostname()}\n")
+            service = {
+                "volumes": spec.get("volumes", []),
+                "environment": spec.get("environment", []),
+                "entrypoint": spec["entrypoint"],
+                "scratch": str(shim / name),
+                "hosts": str(hosts),
+                "prefix": sys.prefix,
+            }
+            command = ["unshare", "--mount", "--propagation", "private", sys.executable, __file__, "_service"]
+            procs[name] = subprocess.Popen(
+                [*network.prefix(host), *command, json.dumps(service)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        printers = [threading.Thread(target=_print_lines, args=item, daemon=True) for item in procs.items()]
+        for printer in printers:
+            printer.start()
+        code = _wait(procs)
+        for printer in printers:
+            printer.join(timeout=10)
     return code
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import sys
 
+from sagemaker.core.training.configs import Compute, SourceCode
 from sagemaker.train import ModelTrainer
-from sagemaker.train.configs import Compute, SourceCode
 from sagemaker.train.distributed import Torchrun
 from sagemaker.train.model_trainer import Mode
 
