@@ -1,4 +1,5 @@
-"""SageMaker entry point: estimator(entry_point="train.py", hyperparameters={"config": "exp.yaml", ...})."""
+"""SageMaker entry point: ModelTrainer(source_code=SourceCode(entry_script="train.py", ...),
+hyperparameters={"config": "exp.yaml", "trainer": {...}}), or an SDK 2 estimator(entry_point="train.py", ...)."""
 
 from unifit.sagemaker import main
 
