@@ -84,3 +84,28 @@ def test_mixed_precision_replicas_agree_track_full_precision_and_resume_exactly(
     assert [m["epoch"] for m in resumed] == [1, 2, 3, 4]
     assert [m["train/loss"] for m in resumed] == pytest.approx([m["train/loss"] for m in low], rel=1e-9)
     assert reports(part)[0]["weights_sha256"] == got[0]["weights_sha256"]
+
+
+def test_fsdp_asks_the_precision_what_it_computes_in_never_its_name():
+    """A precision fsdp has never heard of is taken by what it is: its dtype is what parameters are gathered in
+    (param_dtype auto: on GPUs), and any precision that scales the loss is refused, by its own name."""
+    from unifit.errors import ConfigError
+    from unifit.strategies import registry
+    from unifit.strategies.environment import ClusterEnvironment
+    from unifit.strategies.fsdp import _refuse_float16
+    from unifit.strategies.torch_precision import MixedPrecision, Precision
+
+    class Half(Precision):
+        name, dtype = "half-true", torch.float16
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for options, on_gpu, on_cpu in (({}, torch.float16, None), ({"param_dtype": "bfloat16"}, torch.float16, torch.float16)):  # fmt: skip
+        fsdp = registry.create("fsdp", ClusterEnvironment(), framework="torch", options=options)
+        fsdp.precision = Half()
+        assert (fsdp._gather_dtype(cuda), fsdp._gather_dtype(cpu)) == (on_gpu, on_cpu)
+        fsdp.precision = Precision()
+        assert fsdp._gather_dtype(cuda) is None
+    _refuse_float16(Half())  # no loss scaling: taken
+    scaled = MixedPrecision("my-float16", torch.float16, cpu)
+    with pytest.raises(ConfigError, match="received 'my-float16', which fsdp does not support"):
+        _refuse_float16(scaled)

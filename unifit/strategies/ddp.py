@@ -12,7 +12,7 @@ import functools
 import itertools
 import logging
 import re
-from typing import Any, ContextManager, Literal
+from typing import TYPE_CHECKING, Any, ContextManager, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationInfo, field_validator
 
@@ -20,6 +20,9 @@ from unifit.errors import ConfigError, DistributedError, first_line
 from unifit.strategies.base import TorchDistributedStrategy
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_training import TorchTraining
+
+if TYPE_CHECKING:
+    from unifit.strategies.torch_precision import Precision
 
 log = logging.getLogger("unifit")
 
@@ -212,7 +215,7 @@ class DDPStrategy(TorchDistributedStrategy, TorchTraining):
         return ddp
 
     def setup_manual(
-        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Precision
     ) -> tuple[Any, list[Any]]:
         """No DistributedDataParallel wrapper (its reducer expects one backward per forward over every
         parameter; a GAN's toggled optimizers break that): rank 0's parameters and buffers are broadcast

@@ -17,7 +17,7 @@ import datetime
 import functools
 import logging
 from concurrent.futures import Future
-from typing import Any, ContextManager, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Iterator, Literal
 
 from pydantic import Field
 
@@ -25,6 +25,9 @@ from unifit.errors import CheckpointNotFoundError, ConfigError, first_line
 from unifit.strategies import sharded_state
 from unifit.strategies.ddp import DDPStrategy, ProcessGroupOptions
 from unifit.strategies.torch_training import each_optimizer
+
+if TYPE_CHECKING:
+    from unifit.strategies.torch_precision import Precision
 
 log = logging.getLogger("unifit")
 
@@ -115,7 +118,7 @@ class FSDPStrategy(DDPStrategy):
 
     # ---- training -------------------------------------------------------------------------
     def setup_module_and_optimizer(
-        self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
+        self, step_module: Any, optimizer: Any, device: Any, precision: Precision, accumulate: int
     ) -> tuple[Any, Any]:
         _refuse_float16(precision)
         before = {id(p): name for name, p in step_module.named_parameters()}
@@ -125,7 +128,7 @@ class FSDPStrategy(DDPStrategy):
         return wrapped, optimizer
 
     def setup_manual(
-        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Precision
     ) -> tuple[Any, list[Any]]:
         """Sharded as for automatic optimization: backward reduce-scatters every gradient, so an
         optimizer's step has its averaged shard already (average_gradients has nothing to do)."""
@@ -168,8 +171,9 @@ class FSDPStrategy(DDPStrategy):
         norms: list[Any] = []
         if opts.cpu_offload:
             settings["offload_policy"] = CPUOffloadPolicy()
-        if self.precision.name == "bf16-mixed" and self._param_dtype(device) == "bfloat16":
-            settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        gathered = self._gather_dtype(device)
+        if gathered is not None:
+            settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
             # a norm layer with running statistics keeps float32 weights beside them, and computes in float32
             # (its inputs cast): batch norm refuses bfloat16 weights with float32 statistics (CUDA) or bfloat16
             # inputs with float32 weights (CPU)
@@ -191,21 +195,23 @@ class FSDPStrategy(DDPStrategy):
             ]
         )
         if self.is_global_zero:
-            gathered = self._param_dtype(device) if self.precision.name == "bf16-mixed" else "float32"
             log.info(
                 "fsdp: %d unit(s) sharded (%s), parameters gathered in %s%s",
                 len(units),
                 ", ".join(sorted({_unit_name(u) for u in units})) or "the root only",
-                gathered,
+                str(gathered or torch.float32).removeprefix("torch."),
                 f" ({len(norms)} norm layer(s) in float32, beside their running statistics)" if norms else "",
             )
         return step_module
 
-    def _param_dtype(self, device: Any) -> str:
-        """bf16-mixed: the dtype parameters are gathered in (auto: bfloat16 on GPUs, float32 on CPU)."""
-        if self.options.param_dtype != "auto":
-            return self.options.param_dtype
-        return "bfloat16" if device.type == "cuda" else "float32"
+    def _gather_dtype(self, device: Any) -> Any:
+        """The low dtype parameters are gathered in under a mixed precision (param_dtype auto: on GPUs), or None:
+        they stay float32."""
+        low = self.precision.dtype if self.precision is not None else None
+        wanted = self.options.param_dtype
+        if wanted == "auto":
+            wanted = "bfloat16" if device.type == "cuda" else "float32"
+        return low if low is not None and wanted != "float32" else None
 
     def backward(self, loss: Any, *args: Any, run: Any = None, **kwargs: Any) -> None:
         if self._views is not None:
@@ -416,10 +422,10 @@ def _gathered_through_host(state: dict[str, Any], keep: bool) -> dict[str, Any]:
     return whole if keep else {}
 
 
-def _refuse_float16(precision: Any) -> None:
-    if precision.name == "16-mixed":
+def _refuse_float16(precision: Precision) -> None:
+    if precision.scales_loss:
         raise ConfigError(
-            "trainer.precision: received '16-mixed', which fsdp does not support (float16 loss "
+            f"trainer.precision: received '{precision.name}', which fsdp does not support (float16 loss "
             "scaling over sharded gradients); use 'bf16-mixed' or '32-true'"
         )
 

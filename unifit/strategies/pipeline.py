@@ -29,6 +29,7 @@ from unifit.strategies.pipeline_blocks import BlockStage, block_bounds, check_ch
 
 if TYPE_CHECKING:
     from unifit.strategies.pipeline_sharding import ShardedBlocks
+    from unifit.strategies.torch_precision import Precision
 
 log = logging.getLogger("unifit")
 
@@ -664,7 +665,7 @@ class PipelinedStep(torch.nn.Module):
         self._pending = (batch, batch_idx, more, loss)
         return loss
 
-    def backward(self, scaled: torch.Tensor, precision: Any) -> None:
+    def backward(self, scaled: torch.Tensor, precision: Precision) -> None:
         """`scaled`: the engine's loss / accumulation, i.e. the gradient scale (the loss stands at 1 until run)."""
         if self._pending is None:
             raise ConfigError("pipeline parallelism: backward without a training step before it")

@@ -6,13 +6,16 @@ rank its stage's part, through DCP) and the export gathered whole on rank 0. Wit
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from unifit.errors import ConfigError
 from unifit.strategies import sharded_state
 from unifit.strategies.ddp import average
 from unifit.strategies.fsdp import by_mesh, follow_shards, total_norm
 from unifit.strategies.torch_training import each_optimizer
+
+if TYPE_CHECKING:
+    from unifit.strategies.torch_precision import Precision
 
 
 class PipelineTraining:
@@ -28,12 +31,12 @@ class PipelineTraining:
     data_parallel_size: int
     data_parallel_rank: int
     device_mesh: Any
-    precision: Any
+    precision: Precision | None
     is_global_zero: bool
     all_gather_object: Any
 
     def setup_module_and_optimizer(
-        self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
+        self, step_module: Any, optimizer: Any, device: Any, precision: Precision, accumulate: int
     ) -> tuple[Any, Any]:
         before = {id(p): name for name, p in step_module.named_parameters()}
         wrapped, optimizer = super().setup_module_and_optimizer(step_module, optimizer, device, precision, accumulate)
@@ -42,7 +45,7 @@ class PipelineTraining:
         return wrapped, optimizer
 
     def setup_manual(
-        self, step_module: Any, optimizers: list[Any], device: Any, precision: Any
+        self, step_module: Any, optimizers: list[Any], device: Any, precision: Precision
     ) -> tuple[Any, list[Any]]:
         if self.pipeline_parallel > 1:
             raise ConfigError(

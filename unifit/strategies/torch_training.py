@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
-from typing import Any, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 from unifit.strategies import sharded_state
+
+if TYPE_CHECKING:
+    from unifit.strategies.torch_precision import Precision
 
 _PLAIN = contextlib.nullcontext()
 
@@ -35,7 +38,7 @@ class TorchTraining:
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
-    precision: Any = None  # unifit.frameworks.torch.precision.Precision, set by setup_module_and_optimizer
+    precision: Precision | None = None  # set by setup_module_and_optimizer
     # a sharded model gathers its parameters in its root wrapper's forward: every step (validation
     # too) must go through it, not straight to the module's method
     routes_all_steps = False
@@ -54,7 +57,7 @@ class TorchTraining:
     _late: list[Any] = []
 
     def setup_module_and_optimizer(
-        self, step_module: Any, optimizer: Any, device: Any, precision: Any, accumulate: int
+        self, step_module: Any, optimizer: Any, device: Any, precision: Precision, accumulate: int
     ) -> tuple[Any, Any]:
         """(module to call for a step, optimizer to step): both wrapped for this strategy.
         `step_module.module` is the user's module, already on `device` with rank 0's initial state

@@ -1,7 +1,7 @@
 """Precision for Keras: the dtype policy the model is built under, and loss scaling for float16.
 
 One object per run owns everything that differs between `32-true`, `bf16-mixed` and `16-mixed`,
-so the engine's compiled step reads the same for all three (the twin of frameworks/torch/precision.py):
+so the engine's compiled step reads the same for all three (the twin of strategies/torch_precision.py):
 
     scaled = precision.scale_loss(loss)            # x loss scale (float16), else the loss itself
     grads = training.reduce_gradients(grads)       # Horovod: every rank holds the same scale

@@ -24,10 +24,10 @@ from unifit.frameworks.torch import data as tdata
 from unifit.frameworks.torch.evaluation import TorchEvaluation
 from unifit.frameworks.torch.module import restore_modes, training_modes
 from unifit.frameworks.torch.optimizers import parse_optimizers, scale_lrs
-from unifit.frameworks.torch.precision import Precision, make_precision
 from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _has_gradients, _loss_of
 from unifit.strategies import sharded_state
 from unifit.strategies.torch_device import torch_device
+from unifit.strategies.torch_precision import Precision, make_precision
 from unifit.strategies.torch_training import TorchTraining
 
 log = logging.getLogger("unifit")

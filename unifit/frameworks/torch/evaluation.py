@@ -15,8 +15,8 @@ import torch
 from unifit.errors import ConfigError
 from unifit.frameworks.torch import combined, input_path, iterable, pruning, user_loaders
 from unifit.frameworks.torch import data as tdata
-from unifit.frameworks.torch.precision import make_precision
 from unifit.strategies.torch_device import torch_device
+from unifit.strategies.torch_precision import make_precision
 from unifit.strategies.torch_training import TorchTraining
 
 # stage -> (the data provider's method, the module's step)

@@ -2,7 +2,8 @@
 
 One object per run owns everything that differs between `32-true`, `bf16-mixed` and
 `16-mixed`, so the engine's step reads the same for all three (Lightning's precision plugins,
-torch.amp underneath). A step the GradScaler skips because gradients overflowed is normal
+torch.amp underneath). It sits below the strategies, which hold it as Lightning Fabric's Strategy holds its
+Precision and ask it what they need (the dtype it computes in, whether it scales the loss), never its name. A step the GradScaler skips because gradients overflowed is normal
 under float16 (the scale backs off); a NaN *loss* is still caught by the NaN guard.
 """
 
@@ -22,6 +23,12 @@ class Precision:
     """Full precision: every hook is plain."""
 
     name = "32-true"
+    dtype: torch.dtype | None = None  # what the forward computes in (None: the parameters' own dtype)
+
+    @property
+    def scales_loss(self) -> bool:
+        """The loss is multiplied before backward and the gradients divided again (float16's GradScaler)."""
+        return False
 
     def autocast(self) -> ContextManager[Any]:
         """The region the step's forward runs in. Mixed precision casts without autocast's weight cache, as
@@ -59,6 +66,10 @@ class MixedPrecision(Precision):
         _check_supported(name, dtype, device)
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         self._unscaled: set[int] = set()  # optimizers unscaled since their last step (a user's clip, then the step)
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.scaler is not None
 
     def autocast(self) -> ContextManager[Any]:
         if self.device_type == "cpu" and self.dtype == torch.float16:
