@@ -12,19 +12,19 @@ import json
 
 import pytest
 
-from tests.helpers import PROBE_YAML, reports, start_python, stop
+from tests.helpers import KERAS_PROBE_YAML, PROBE_YAML, reports, start_python, stop
 
 pytest.importorskip("ray.train", reason="unifit[ray] (ray[train]) is not installed")
 
 
-def _run(tmp_path, strategy: str, callbacks: list[dict], **options) -> dict:
+def _run(tmp_path, strategy: str, callbacks: list[dict], config=PROBE_YAML, **options) -> dict:
     report = {
         "class_path": "tests.probe.callbacks.ProbeReport",
         "init_args": {"out_dir": str(tmp_path / strategy / "reports")},
     }
     overrides = ["--trainer.strategy", strategy, "--trainer.callbacks", json.dumps([report, *callbacks])]
     return {
-        "config": str(PROBE_YAML),
+        "config": str(config),
         "overrides": overrides,
         "num_workers": 2,
         "storage_path": str(tmp_path / "storage"),
@@ -33,17 +33,22 @@ def _run(tmp_path, strategy: str, callbacks: list[dict], **options) -> dict:
     }
 
 
+def _drive(tmp_path, runs: list[dict], timeout: float) -> list[dict]:
+    """Ray's results of `runs`, made by one driver process."""
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    driver = start_python("-m", "tests.probe.ray_driver", str(tmp_path / "runs.json"), str(tmp_path / "out.json"))
+    out, err = stop(driver, timeout=timeout)
+    assert driver.returncode == 0, err[-6000:]
+    return json.loads((tmp_path / "out.json").read_text()) + [{"log": out + err}]
+
+
 @pytest.mark.launch
 @pytest.mark.timeout(600)
 def test_ray_train_workers_equal_a_launch_and_a_killed_worker_resumes(tmp_path, reference_run):
     reference_run.prefetch(["ddp", "fsdp"])
     kill = {"class_path": "tests.probe.callbacks.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}
     runs = [_run(tmp_path, "ddp", [kill], max_failures=1), _run(tmp_path, "fsdp", [])]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    driver = start_python("-m", "tests.probe.ray_driver", str(tmp_path / "runs.json"), str(tmp_path / "out.json"))
-    out, err = stop(driver, timeout=540)
-    assert driver.returncode == 0, err[-6000:]
-    results = json.loads((tmp_path / "out.json").read_text())
+    *results, log = _drive(tmp_path, runs, timeout=540)
     assert (tmp_path / "killed").exists(), "the worker was not killed"
     for strategy, result in zip(("ddp", "fsdp"), results, strict=True):
         assert result["error"] is None, result
@@ -56,16 +61,30 @@ def test_ray_train_workers_equal_a_launch_and_a_killed_worker_resumes(tmp_path, 
         assert all(path.startswith(f"{run_dir}/checkpoints/") for path in result["checkpoints"]), result
         assert names[-1] == "epoch=0003-step=0000012" and len(set(names)) == len(names), names
         assert result["checkpoint"] == result["checkpoints"][-1]
-    assert "resumed from" in err + out, err[-4000:]  # the restarted group continued from the epoch-1 checkpoint
+    assert "resumed from" in log["log"], log["log"][-4000:]  # the restarted group continued from the epoch-1 checkpoint
+
+
+@pytest.mark.launch
+@pytest.mark.tf
+@pytest.mark.timeout(400)
+def test_keras_mwms_on_ray_tensorflow_trainer_equals_a_launch(tmp_path, reference_run):
+    """Keras' mwms under Ray's TensorflowTrainer (it sets each worker's TF_CONFIG): the weights of `unifit launch`."""
+    reference_run.prefetch(["mwms"])
+    [result, _] = _drive(tmp_path, [_run(tmp_path, "mwms", [], config=KERAS_PROBE_YAML)], timeout=360)
+    assert result["error"] is None, result
+    mine, theirs = reports(tmp_path / "mwms"), reports(reference_run("mwms"))
+    assert [r["weights_sha256"] for r in mine] == [r["weights_sha256"] for r in theirs]
+    assert [p.rsplit("/", 1)[-1] for p in result["checkpoints"]][-1] == "epoch=0003-step=0000012", result
 
 
 def test_a_strategy_with_a_launcher_of_its_own_is_refused_before_ray_starts(tmp_path):
     import unifit.ray
-    from tests.helpers import KERAS_PROBE_YAML
     from unifit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"trainer.strategy: mwms under Ray Train: .*run one of single, ddp"):
-        unifit.ray.loop_config(KERAS_PROBE_YAML, ["--trainer.strategy", "mwms"], storage_path=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"trainer.strategy: horovod under Ray Train: .*run one of single, ddp"):
+        unifit.ray.loop_config(KERAS_PROBE_YAML, ["--trainer.strategy", "horovod"], storage_path=str(tmp_path))
+    assert unifit.ray.loop_config(KERAS_PROBE_YAML, ["--trainer.strategy", "mwms"])["backend"] == "tensorflow"
+    assert unifit.ray.loop_config(PROBE_YAML, ["--trainer.strategy", "fsdp"])["backend"] == "torch"
     with pytest.raises(ConfigError, match=r"module.init_args.n_trian"):  # a mistake in the experiment: one line
         unifit.ray.loop_config(PROBE_YAML, ["--module.init_args.n_trian", "3"], storage_path=str(tmp_path))
 

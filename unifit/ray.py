@@ -12,7 +12,8 @@ unifit makes none and starts no process). The run directory (checkpoints, logs, 
 (unifit/callbacks/ray_report.py), and a worker group Ray restarts (FailureConfig) or re-forms continues from the
 newest checkpoint committed there (`--ckpt-path auto`; another world size under the rules a resume has anywhere).
 The same call with the same name continues a stopped run.
-The torch strategies that run one process per worker are Ray's: single, ddp, smddp-like, fsdp, model-parallel.
+The strategies that run one process per worker are Ray's: single, ddp, smddp-like, fsdp, model-parallel on Ray's
+TorchTrainer, and Keras' mwms on its TensorflowTrainer (each worker's TF_CONFIG is Ray's).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from unifit.strategies.environment import RAY_TRAIN_MARKER
 
 __all__ = ["fit", "loop_config", "train_loop_per_worker"]
 
+# one process per worker, a world Ray's trainer makes: torch's process group (TorchTrainer) or TF_CONFIG for
+# Keras' mwms (TensorflowTrainer)
+RAY_STRATEGIES = (*TASK_STRATEGIES, "mwms")
+
 
 def fit(
     config: str | os.PathLike,
@@ -46,13 +51,12 @@ def fit(
     when none is connected, as Ray does)."""
     try:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
     except ImportError:
         raise ConfigError("unifit.ray needs Ray Train, which is not installed; pip install 'unifit[ray]'") from None
     if num_workers < 1 or max_failures < -1:
         raise ConfigError(f"num_workers={num_workers}, max_failures={max_failures}: give 1 or more workers, 0 or more")
     settings = loop_config(config, overrides, storage_path=storage_path, name=name)
-    trainer = TorchTrainer(
+    trainer = _ray_trainer(settings["backend"])(
         train_loop_per_worker,
         train_loop_config=settings,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
@@ -65,6 +69,18 @@ def fit(
     return trainer.fit()
 
 
+def _ray_trainer(backend: str) -> Any:
+    """Ray's trainer for the workers' backend: TorchTrainer makes torch's process group, TensorflowTrainer sets
+    each worker's TF_CONFIG (MultiWorkerMirroredStrategy's cluster)."""
+    if backend == "tensorflow":
+        from ray.train.tensorflow import TensorflowTrainer
+
+        return TensorflowTrainer
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer
+
+
 def loop_config(
     config: str | os.PathLike,
     overrides: Sequence[str] = (),
@@ -75,10 +91,10 @@ def loop_config(
     """The experiment checked here, in one line on a mistake, before any worker starts; what each worker needs."""
     experiment = load_experiment(str(config), parse_overrides(list(overrides)))
     strategy = experiment.trainer.strategy
-    if strategy not in TASK_STRATEGIES:
+    if strategy not in RAY_STRATEGIES:
         raise ConfigError(
             f"trainer.strategy: {strategy} under Ray Train: its processes need their own launcher (horovodrun, "
-            f"TF_CONFIG); run one of {', '.join(TASK_STRATEGIES)}, or `unifit launch` outside Ray"
+            f"parameter servers); run one of {', '.join(RAY_STRATEGIES)}, or `unifit launch` outside Ray"
         )
     storage = storage_path or os.path.expanduser("~/ray_results")
     storage = storage if "://" in storage else os.path.abspath(storage)
@@ -90,6 +106,7 @@ def loop_config(
         "name": name,
         "root_dir": f"{storage.rstrip('/')}/{name}",
         "cwd": os.getcwd(),
+        "backend": "tensorflow" if strategy == "mwms" else "torch",  # which of Ray's trainers starts the workers
     }
 
 
