@@ -70,14 +70,15 @@ def average(grads: list[Any], size: int, group: Any = None) -> None:
     """Gradients averaged over `group` (the world by default), in place: one all-reduce per dtype, flattened
     (DDP's buckets, in one)."""
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from unifit.strategies.torch_compat import flatten_dense, unflatten_dense
 
     for dtype in sorted({g.dtype for g in grads}, key=str):
         same = [g for g in grads if g.dtype == dtype]
-        flat = _flatten_dense_tensors(same)
+        flat = flatten_dense(same)
         dist.all_reduce(flat, group=group)
         flat.div_(size)
-        for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
+        for grad, averaged in zip(same, unflatten_dense(flat, same)):
             grad.copy_(averaged)
 
 

@@ -463,16 +463,20 @@ class _ViewOutputs:
     def _record(self, name: str, module: Any, args: Any, output: Any) -> None:
         import torch
 
+        from unifit.strategies.torch_compat import is_view, version_counter
+
         if not torch.is_grad_enabled():
             return
         for tensor in _tensors(output):
-            if tensor.requires_grad and tensor._base is not None:
-                self.seen.append((name, tensor, tensor._version))
+            if tensor.requires_grad and is_view(tensor):
+                self.seen.append((name, tensor, version_counter(tensor)))
 
     def check_unmodified(self) -> None:
+        from unifit.strategies.torch_compat import version_counter
+
         seen, self.seen = self.seen, []
         for name, tensor, version in seen:
-            if tensor._version != version:
+            if version_counter(tensor) != version:
                 raise ConfigError(
                     f"fsdp: the output of {name} (an FSDP unit; the output is a view) was modified in place before "
                     "backward; FSDP2 then skips gathering that unit's parameters for backward (wrong gradients): use "
@@ -509,20 +513,18 @@ class _UnfreezingGroups:
         self.frozen: list[Any] | None = None  # known after the first forward (FSDP's lazy init)
 
     def refresh(self) -> None:
+        from unifit.strategies.torch_compat import fsdp_group_trainable, fsdp_param_groups, refresh_fsdp_mixed_precision
+
         if self.frozen is None:
             from torch.distributed.fsdp import FSDPModule
 
-            groups = (m._get_fsdp_state()._fsdp_param_group for m in self.root.modules() if isinstance(m, FSDPModule))
-            self.frozen = [g for g in groups if g is not None and not _trainable(g)]
+            groups = [g for m in self.root.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)]
+            self.frozen = [g for g in groups if not fsdp_group_trainable(g)]
         if not self.frozen:
             return
-        for group in [g for g in self.frozen if _trainable(g)]:
-            group._init_mp_dtypes()
+        for group in [g for g in self.frozen if fsdp_group_trainable(g)]:
+            refresh_fsdp_mixed_precision(group)
             self.frozen.remove(group)
-
-
-def _trainable(group: Any) -> bool:
-    return any(p.sharded_param.requires_grad for p in group.fsdp_params)
 
 
 def _norms_with_statistics(model: Any) -> list[Any]:
@@ -606,17 +608,15 @@ def _without_gradient_sync(sharded: list[Any]) -> Iterator[None]:
 def gathered_through(sharded: list[Any]) -> Iterator[None]:
     """Every FSDP module's parameters gathered (a collective every rank joins here) and kept so through the forwards
     inside (FSDP2 does not gather a gathered unit again); then each module's own resharding back, and its shards."""
-    groups = [group for module in sharded for group in module._get_fsdp_state()._fsdp_param_groups]
-    after_forward = [(group, group.post_forward_mesh_info) for group in groups]
+    from unifit.strategies.torch_compat import fsdp_param_groups, kept_gathered
+
+    groups = [group for module in sharded for group in fsdp_param_groups(module)]
     try:
         for module in sharded:
             module.unshard()
-        for group in groups:
-            group.post_forward_mesh_info = None  # FSDP2's set_reshard_after_forward(False), undone below as it was
-        yield
+        with kept_gathered(groups):
+            yield
     finally:
-        for group, info in after_forward:
-            group.post_forward_mesh_info = info
         for module in sharded:
             module.reshard()
 
@@ -628,7 +628,8 @@ def _gathered_rnn_weights(rnn: Any, args: Any) -> Any:
     The initial hidden state too: PyTorch's idiom `next(self.parameters()).new_zeros(...)`, called outside
     forward, makes a DTensor of a sharded parameter; it is gathered (every rank runs this forward)."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map
 
-    rnn._flat_weights = [getattr(rnn, name, None) for name in rnn._flat_weights_names]
+    from unifit.strategies.torch_compat import refresh_rnn_weights, tree_map
+
+    refresh_rnn_weights(rnn)
     return tree_map(lambda a: a.full_tensor() if isinstance(a, DTensor) else a, args)

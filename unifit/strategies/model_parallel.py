@@ -400,13 +400,13 @@ def _unsplit(model: Any) -> dict[int, int]:
     whole: dict[int, Any] = {}
     was: dict[int, int] = {}
     for module in model.modules():
-        for name, parameter in list(module._parameters.items()):
+        for name, parameter in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if isinstance(parameter, DTensor):
                 if id(parameter) not in whole:
                     gathered = parameter.full_tensor().detach()
                     whole[id(parameter)] = torch.nn.Parameter(gathered, requires_grad=parameter.requires_grad)
                     was[id(whole[id(parameter)])] = id(parameter)
-                module._parameters[name] = whole[id(parameter)]
+                module.register_parameter(name, whole[id(parameter)])
     return was
 
 

@@ -22,10 +22,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from unifit.errors import ConfigError
 from unifit.strategies.pipeline_blocks import BlockStage, block_bounds, check_chained, evaluating
+from unifit.strategies.torch_compat import (
+    RECEIVED_ACTIVATIONS_NEED_GRAD,
+    flatten_dense,
+    set_schedule_backward,
+    tree_flatten,
+    tree_map_only,
+    tree_unflatten,
+    unflatten_dense,
+    wrap_stage_initialisation,
+)
 
 if TYPE_CHECKING:
     from unifit.strategies.pipeline_sharding import ShardedBlocks
@@ -307,15 +316,15 @@ class Pipeline:
 
     def _user_step(self, step: str, batch: Any, batch_idx: int, more: tuple[Any, ...], standin: Any) -> Any:
         holder, collector = self.holder, self.module._unifit_collector
-        network, before = holder._modules[self.network], len(standin.calls)
-        holder._modules[self.network] = standin
+        network, before = getattr(holder, self.network), len(standin.calls)
+        setattr(holder, self.network, standin)
         counted = collector.batch_count if collector is not None else None
         if collector is not None:  # what the step logs is weighed by the micro-batch's rows
             collector.batch_count = _rows(batch, step)
         try:
             out = getattr(self.module, step)(batch, batch_idx, *more)
         finally:
-            holder._modules[self.network] = network
+            setattr(holder, self.network, network)
             if collector is not None:
                 collector.batch_count = counted
         if len(standin.calls) - before != 1:
@@ -471,7 +480,9 @@ class Pipeline:
             )
         for each in range(self.stages):
             _check_calls(pipe.get_stage_module(each), each, self.network)
-        if _INTEGERS_REFUSED and any(_takes_integers(pipe.get_stage_module(i)) for i in range(1, self.stages)):
+        if RECEIVED_ACTIVATIONS_NEED_GRAD and any(
+            _takes_integers(pipe.get_stage_module(i)) for i in range(1, self.stages)
+        ):
             raise ConfigError(
                 f"trainer.strategy_options.pipeline_parallel: torch {torch.__version__}'s pipeline shape inference "
                 "cannot pass integer tensors from stage to stage (the targets travelling to the loss on the last "
@@ -493,7 +504,7 @@ class Pipeline:
         # computes the same, in another order
         kind = getattr(pipelining, SCHEDULES[self.schedule if count >= self.stages else "gpipe"])
         schedule = traced.schedules[training, count] = kind(stage, count, loss_fn=self._loss, scale_grads=False)
-        schedule._has_backward = training
+        set_schedule_backward(schedule, training)
         if self.sharding is not None:
             self.sharding.drive(stage)
         _flag_inference(schedule, self)
@@ -525,7 +536,6 @@ class Pipeline:
         for at the first step (a weight the forward does not use) keeps none, as in one process (the optimizer
         skips it): counted once, so no step waits on the host after."""
         import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         if not self.shared:
             return
@@ -540,9 +550,9 @@ class Pipeline:
             counts = torch.tensor(had, device=mine[0].device)
             dist.all_reduce(counts, group=self.group)
             self._unused = {id(p) for p, count in zip(self.shared, counts.tolist()) if not count}
-        flat = _flatten_dense_tensors(mine)
+        flat = flatten_dense(mine)
         dist.all_reduce(flat, group=self.group)
-        for parameter, summed in zip(self.shared, _unflatten_dense_tensors(flat, mine)):
+        for parameter, summed in zip(self.shared, unflatten_dense(flat, mine)):
             if id(parameter) in self.owned_ids:
                 parameter.grad = None if id(parameter) in self._unused else _shaped_like(parameter, summed)
 
@@ -680,21 +690,19 @@ class PipelinedStep(torch.nn.Module):
 def _flag_inference(schedule: Any, pipeline: Pipeline) -> None:
     """`pipeline.inferring` while the schedule infers its stage's shapes and gradients (its first step), which
     calls the loss function once on tensors that are not a micro-batch's (torch 2.13; 2.11 infers
-    without it). The single-stage schedules run the inference in `_initialize_stage` in torch 2.11 and 2.13 alike."""
-    infer = schedule._initialize_stage
+    without it)."""
 
-    def flagged(*args: Any, **kwargs: Any) -> Any:
-        pipeline.inferring = True
-        try:
-            return infer(*args, **kwargs)
-        finally:
-            pipeline.inferring = False
+    def flagged(infer: Any) -> Any:
+        def flagging(*args: Any, **kwargs: Any) -> Any:
+            pipeline.inferring = True
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                pipeline.inferring = False
 
-    schedule._initialize_stage = flagged
+        return flagging
 
-
-# torch before 2.13 asks every received activation to require gradients in a stage's shape inference (seen with 2.11)
-_INTEGERS_REFUSED = torch.__version__ < "2.13"
+    wrap_stage_initialisation(schedule, flagged)
 
 
 def _takes_integers(stage_module: torch.nn.Module) -> bool:

@@ -19,9 +19,9 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unifit.errors import ConfigError
+from unifit.strategies.torch_compat import tree_flatten, tree_unflatten
 
 
 def block_bounds(network: torch.nn.Module, splits: list[str]) -> tuple[str, list[int]] | None:

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from unifit.errors import ConfigError
+from unifit.strategies.torch_compat import free_inference_metadata, replace_inference_cleanup
 
 
 class ShardedBlocks:
@@ -43,7 +44,7 @@ class ShardedBlocks:
             return backward(backward_type, bwd_kwargs, last_backward=last_backward)
 
         stage.backward_maybe_with_nosync = each_backward
-        stage._post_metadata_inference_cleanup = lambda: _free_inference_tensors(stage)
+        replace_inference_cleanup(stage, lambda: free_inference_metadata(stage))
 
     def agree(self, builds: bool, microbatches: int, batch_idx: int) -> bool:
         """Whether this rank or another replica of its stage builds a stage or schedule for this training batch (a
@@ -83,10 +84,3 @@ class ShardedBlocks:
                 yield
             finally:
                 self.held = False
-
-
-def _free_inference_tensors(stage: Any) -> None:
-    """torch's `_post_metadata_inference_cleanup` less its FSDP part (`.grad = None`, reshard)."""
-    stage._fwd_outputs_for_bwd_meta = None
-    stage._fwd_inputs_for_bwd_meta = None
-    stage._fwd_kwargs_tensors_for_bwd_meta = None

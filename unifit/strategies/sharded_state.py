@@ -32,31 +32,26 @@ def start_save(state: dict[str, Any], url: str, storage_options: dict[str, Any],
     """Write `state` (DTensors and plain values) under `url` on every rank; returns when this rank's
     shards are copied to host memory, the write goes on in the background (the Future)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    writer = FsspecWriter(url, overwrite=True, **storage_options)
-    return dcp.async_save(state, storage_writer=writer, process_group=group)
+    from unifit.strategies.torch_compat import fsspec_writer
+
+    return dcp.async_save(state, storage_writer=fsspec_writer(url, **storage_options), process_group=group)
 
 
 def load_into(state: dict[str, Any], url: str, storage_options: dict[str, Any], group: Any) -> None:
     """Fill `state` (this rank's sharded model and optimizer state dicts, any world size) in place from `url`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    dcp.load(state, storage_reader=FsspecReader(url, **storage_options), process_group=group)
+    from unifit.strategies.torch_compat import fsspec_reader
+
+    dcp.load(state, storage_reader=fsspec_reader(url, **storage_options), process_group=group)
 
 
 def read_whole(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     """The full, unsharded state saved under `url`, in this process only (no collective)."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from unifit.strategies.torch_compat import load_whole
 
-    whole: dict[str, Any] = {}
-    _load_state_dict(
-        whole, storage_reader=FsspecReader(url, **storage_options), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
-    return whole
+    return load_whole(url, **storage_options)
 
 
 def by_name(optimizer_state: dict[str, Any], optimizer: Any, module: Any) -> dict[str, Any]:

@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from unifit.errors import ConfigError
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from unifit.errors import ConfigError
+from unifit.strategies.torch_compat import set_last_lr
 
 _FORMS = (
     "return one torch optimizer, (optimizer, scheduler), ([optimizer], [scheduler]) or "
@@ -165,5 +166,4 @@ def scale_lrs(optimizer: torch.optim.Optimizer, schedulers: list[Any], factor: f
             values = getattr(scheduler, attr, None)
             if isinstance(values, list):
                 setattr(scheduler, attr, [v * factor for v in values])
-        if hasattr(scheduler, "_last_lr"):
-            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
