@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
+from unifit.frameworks.torch.lightning_compat import lr_finder_result, made_with
 
 log = logging.getLogger("unifit")
 
@@ -37,6 +38,7 @@ _LOGGED_ALREADY = {
 # ---- the mapped callbacks --------------------------------------------------------------------------
 def _model_checkpoint(cb: Any, plan: Any) -> dict[str, Any]:
     k, monitor = int(cb.save_top_k), cb.monitor
+    every = made_with(cb, ("every_n_epochs", "every_n_train_steps", "train_time_interval"))
     if k == 0 and not cb.save_last:
         return {"checkpoint": {"enabled": False}}
     updates: dict[str, Any] = {
@@ -46,9 +48,9 @@ def _model_checkpoint(cb: Any, plan: Any) -> dict[str, Any]:
             "mode": cb.mode,
             "keep_last_n": None if k == -1 else 1,  # the newest is always kept: resume and preemption start there
             "keep_best_k": max(k, 1) if monitor else 1,
-            "every_n_epochs": max(1, int(cb._every_n_epochs or 1)),
-            "every_n_steps": int(cb._every_n_train_steps) or None,
-            "every_n_minutes": _minutes(cb._train_time_interval),
+            "every_n_epochs": max(1, int(every["every_n_epochs"] or 1)),
+            "every_n_steps": int(every["every_n_train_steps"]) or None,
+            "every_n_minutes": _minutes(every["train_time_interval"]),
         }
     }
     if getattr(cb, "save_on_exception", False):
@@ -108,9 +110,8 @@ def _mirror_early_stopping(cb: Any, wait: int, best: Any, stopped_epoch: int | N
 
 
 def _timer(cb: Any, plan: Any) -> dict[str, Any]:
-    if cb._duration is None:
-        return {}
-    return {"max_time": float(cb._duration)}
+    duration = made_with(cb, ("duration",))["duration"]
+    return {} if duration is None else {"max_time": float(duration)}
 
 
 def _accumulation(cb: Any, plan: Any) -> dict[str, Any]:
@@ -127,25 +128,24 @@ def _progress_bar(cb: Any, plan: Any) -> dict[str, Any]:
 
 def _lr_finder(cb: Any, plan: Any) -> dict[str, Any]:
     plan.reports["lr_find"] = lambda **found: _mirror_lr_finder(cb, **found)
-    settings = {
-        "min_lr": cb._min_lr,
-        "max_lr": cb._max_lr,
-        "num_training_steps": cb._num_training_steps,
-        "mode": cb._mode,
-        "early_stop_threshold": cb._early_stop_threshold,
-        "update_attr": cb._update_attr,
-        "attr_name": cb._attr_name,
-    }
-    return {"lr_find": settings}
+    return {"lr_find": made_with(cb, _LR_FINDER_ARGUMENTS)}
+
+
+_LR_FINDER_ARGUMENTS = (
+    "min_lr",
+    "max_lr",
+    "num_training_steps",
+    "mode",
+    "early_stop_threshold",
+    "update_attr",
+    "attr_name",
+)
 
 
 def _mirror_lr_finder(cb: Any, lrs: list[float], losses: list[float]) -> None:
     """The callback's `optimal_lr`, Lightning's own result object (its suggestion() and plot() work)."""
-    from lightning.pytorch.tuner.lr_finder import _LRFinder
-
-    found = _LRFinder(cb._mode, cb._min_lr, cb._max_lr, cb._num_training_steps)
-    found.results = {"lr": list(lrs), "loss": list(losses)}
-    cb.optimal_lr = found
+    made = made_with(cb, ("mode", "min_lr", "max_lr", "num_training_steps"))
+    cb.optimal_lr = lr_finder_result(*made.values(), lrs, losses)
 
 
 def _batch_size_finder(cb: Any, plan: Any) -> dict[str, Any]:
@@ -153,20 +153,12 @@ def _batch_size_finder(cb: Any, plan: Any) -> dict[str, Any]:
         cb.optimal_batch_size = found  # as Lightning's callback holds it
 
     plan.reports["batch_size_find"] = report
-    settings = {
-        "mode": cb._mode,
-        "steps_per_trial": cb._steps_per_trial,
-        "init_val": cb._init_val,
-        "max_trials": cb._max_trials,
-        "batch_arg_name": cb._batch_arg_name,
-        "margin": getattr(cb, "_margin", 0.05),
-        "max_val": getattr(cb, "_max_val", 8192),
-    }
-    return {"batch_size_find": settings}
+    names = ("mode", "steps_per_trial", "init_val", "max_trials", "batch_arg_name")
+    return {"batch_size_find": made_with(cb, names, optional={"margin": 0.05, "max_val": 8192})}
 
 
 def _device_stats(cb: Any, plan: Any) -> dict[str, Any]:
-    return {"device_stats": {"enabled": True, "cpu_stats": cb._cpu_stats}}
+    return {"device_stats": {"enabled": True, **made_with(cb, ("cpu_stats",))}}
 
 
 def _logged_already(cb: Any, plan: Any) -> dict[str, Any]:

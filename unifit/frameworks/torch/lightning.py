@@ -23,6 +23,7 @@ from unifit._imports import LIGHTNING, derives_from
 from unifit.errors import ConfigError
 from unifit.frameworks.torch.combined import Combined
 from unifit.frameworks.torch.data import batch_size_of
+from unifit.frameworks.torch.lightning_compat import combined_mode, give_device_mesh, restored_without_restarting
 from unifit.frameworks.torch.lightning_trainer import TrainerView
 from unifit.frameworks.torch.module import TrainModule, restore_modes, training_modes
 from unifit.frameworks.torch.step_seams import STEP_HOOKS
@@ -154,7 +155,7 @@ class LightningAdapter(TrainModule):
                 if derives_from(callback, "BaseFinetuning", *LIGHTNING):
                     # unifit's checkpoint restored the optimizer's param groups already, with their current
                     # learning rates; Lightning's on_fit_start would set them again from older ones it keeps
-                    callback._restarting = False
+                    restored_without_restarting(callback)
 
     def _running(self) -> list[Any]:
         return list(dict.fromkeys(cb for listeners in self._listeners.values() for cb in listeners))
@@ -233,7 +234,7 @@ class LightningAdapter(TrainModule):
         self.fan_out("setup", self.stage)
         mesh = getattr(self.view.dist, "device_mesh", None)
         if mesh is not None:  # Lightning's ModelParallelStrategy sets it for configure_model (self.device_mesh)
-            self.lightning._device_mesh = mesh
+            give_device_mesh(self.lightning, mesh)
         if _overrides(self.lightning, "configure_sharded_model"):  # Lightning 1.x's name, still called by 2.x
             self.lightning.configure_sharded_model()
         self.lightning.configure_model()
@@ -543,7 +544,7 @@ def _one_or_several(loaders: Any, what: str, several_ok: bool) -> Any:
     mode of the CombinedLoader the module returned)."""
     mode = None
     if derives_from(loaders, "CombinedLoader", *LIGHTNING):
-        mode, loaders = loaders._mode, loaders.iterables
+        mode, loaders = combined_mode(loaders), loaders.iterables
     if not isinstance(loaders, (list, tuple, dict)):
         return loaders
     keys = list(loaders) if isinstance(loaders, dict) else None
