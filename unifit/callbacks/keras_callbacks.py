@@ -124,7 +124,8 @@ class KerasModelView:
     def metrics(self) -> list[Any]:
         """The compiled metrics as Keras' monitors look for them (mode="auto" reads each one's direction)."""
         import keras
-        from keras.src.trainers.compile_utils import MetricsList
+
+        from unifit.frameworks.keras.keras_compat import metrics_list
 
         found = []
         for name in getattr(self._ctx.module, "metric_names", lambda: [])():
@@ -132,7 +133,7 @@ class KerasModelView:
                 found.append(keras.metrics.get(name))
             except ValueError:
                 continue
-        return [MetricsList(found)]
+        return [metrics_list(found)]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx.module.model, name)

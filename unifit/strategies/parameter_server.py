@@ -156,16 +156,19 @@ class ParameterServerStrategy(TFDistributeStrategy):
         concatenated here, on the chief, and a restored value is split over them (any layout restores any)."""
         import tensorflow as tf
 
+        from unifit.strategies.tf_compat import checkpoint_through
+
         for variable in model.variables:
             sharded = _sharded(variable)
             if sharded is None:
                 continue
             log.info("parameter-server: %s in %d shards", variable.path, len(sharded.variables))
-            variable._serialize_to_tensors = lambda sharded=sharded: {"VARIABLE_VALUE": tf.convert_to_tensor(sharded)}
-            variable._restore_from_tensors = lambda restored, sharded=sharded: sharded.assign(
-                restored["VARIABLE_VALUE"]
+            checkpoint_through(
+                variable,
+                read=lambda sharded=sharded: tf.convert_to_tensor(sharded),
+                restore=sharded.assign,
+                numpy=lambda sharded=sharded: tf.convert_to_tensor(sharded).numpy(),
             )
-            variable.numpy = lambda sharded=sharded: tf.convert_to_tensor(sharded).numpy()  # get_weights()
 
     @contextmanager
     def whole_variables(self, model: Any) -> Iterator[None]:
@@ -173,14 +176,18 @@ class ParameterServerStrategy(TFDistributeStrategy):
         gathered value meanwhile, then its shards again."""
         import tensorflow as tf
 
-        swapped = [(variable, variable._value) for variable in model.variables if _sharded(variable) is not None]
+        from unifit.strategies.tf_compat import backing_value, set_backing_value
+
+        swapped = [
+            (variable, backing_value(variable)) for variable in model.variables if _sharded(variable) is not None
+        ]
         for variable, sharded in swapped:
-            variable._value = tf.convert_to_tensor(sharded)
+            set_backing_value(variable, tf.convert_to_tensor(sharded))
         try:
             yield
         finally:
             for variable, sharded in swapped:
-                variable._value = sharded
+                set_backing_value(variable, sharded)
 
     def gradient_targets(self, variables: list[Any]) -> list[Any]:
         """A partitioned variable's shards stand for it (Keras 3 cannot take a gradient of a ShardedVariable:
@@ -237,10 +244,9 @@ def wait_for_cluster(spec: dict[str, list[str]], timeout_s: float) -> None:
 
 def _sharded(variable: Any) -> Any:
     """The ShardedVariable a Keras variable holds, or None."""
-    from tensorflow.python.distribute.sharded_variable import ShardedVariable
+    from unifit.strategies.tf_compat import sharded_value
 
-    value = getattr(variable, "value", None)
-    return value if isinstance(value, ShardedVariable) else None
+    return sharded_value(variable)
 
 
 def _lost_errors() -> tuple[type[Exception], ...]:

@@ -396,10 +396,10 @@ class _Stateful:
 def _same_rank(function: Any) -> Any:
     """`function(y, y_pred)` after Keras' own rank alignment (a (N,) target against (N, 1) outputs is
     squeezed, as Loss and MeanMetricWrapper do), so it never broadcasts to (N, N)."""
-    from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # what Keras' own wrappers call
+    from unifit.frameworks.keras.keras_compat import same_rank
 
     def aligned(y: Any, y_pred: Any, **kwargs: Any) -> Any:
-        y, y_pred = squeeze_or_expand_to_same_rank(keras.ops.convert_to_tensor(y), keras.ops.convert_to_tensor(y_pred))
+        y, y_pred = same_rank(keras.ops.convert_to_tensor(y), keras.ops.convert_to_tensor(y_pred))
         return function(y, y_pred, **kwargs)
 
     aligned.__name__ = getattr(function, "__name__", "metric")
@@ -444,9 +444,9 @@ def _crossentropy_for(y: Any, y_pred: Any) -> Any:
 
 
 def _binary_or_sparse(y: Any, y_pred: Any) -> tuple[bool, bool]:
-    from keras.src.trainers.compile_utils import is_binary_or_sparse_categorical  # Keras' own rule
+    from unifit.frameworks.keras.keras_compat import binary_or_sparse
 
-    return is_binary_or_sparse_categorical(tf.convert_to_tensor(y), tf.convert_to_tensor(y_pred))
+    return binary_or_sparse(tf.convert_to_tensor(y), tf.convert_to_tensor(y_pred))
 
 
 def _checked(data: Any, split: str) -> Any:

@@ -19,33 +19,11 @@ from unifit.errors import ConfigError, first_line
 _AUTOSHARD = tf.data.experimental.AutoShardPolicy
 
 
-# tf.data's batching datasets (.batch(), .padded_batch(), .batch(num_parallel_calls=...)), whose batch size
-# unifit reads to unbatch a pipeline the user batched (keras-io's habit, image_dataset_from_directory's default)
-_BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
-# what may follow the .batch() and still leave whole batches of its elements (an .unbatch(), a flat_map or
-# anything else unknown ends the search: that pipeline is taken as it is)
-_PER_BATCH = (
-    "_MapDataset",
-    "_ParallelMapDataset",
-    "_PrefetchDataset",
-    "CacheDataset",
-    "_ShuffleDataset",
-    "_TakeDataset",
-    "_RepeatDataset",
-    "_SkipDataset",
-    "_FilterDataset",
-    "_OptionsDataset",
-    "_AssertCardinalityDataset",
-    "_IgnoreErrorsDataset",
-)
-
-
 def batch_size_of(dataset: Any) -> int | None:
     """The batch size of the last .batch() in a pipeline (per-batch steps after it looked through), or None."""
-    node = dataset
-    while type(node).__name__ in _PER_BATCH:
-        node = getattr(node, "_input_dataset", None)
-    return int(node._batch_size) if type(node).__name__ in _BATCHING else None
+    from unifit.strategies import tf_compat
+
+    return tf_compat.batch_size_of(dataset)
 
 
 def unbatched(data: Any) -> tuple[Any, int | None]:
@@ -251,14 +229,14 @@ class LazyData:
 
 
 def _shard(dataset: Any, world: int, rank: int) -> tuple[Any, str]:
-    from tensorflow.python.distribute import input_ops  # what tf.distribute's auto-sharding calls
+    from unifit.strategies.tf_compat import auto_shard
 
     reason = ""
     for policy in (_AUTOSHARD.FILE, _AUTOSHARD.DATA):
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = policy
         try:
-            return input_ops.auto_shard_dataset(dataset.with_options(options), world, rank, world), policy.name.lower()
+            return auto_shard(dataset.with_options(options), world, rank), policy.name.lower()
         except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as exc:
             reason = first_line(exc)[:200]
             logging.getLogger("unifit").debug("sharding by file not possible (%s); sharding by element", reason)

@@ -1,0 +1,34 @@
+"""Keras' private API (keras.src), in one place: each use named for what it does.
+
+unifit calls Keras' own helpers where Keras has no public name for them (checked with Keras 3.15), so its compiled
+losses and metrics behave as model.fit's do. A release that moves one breaks a function here, and
+tests/test_tf_compat.py, which checks every name on the installed Keras, rather than a training run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["same_rank", "binary_or_sparse", "metrics_list"]
+
+
+def same_rank(y: Any, y_pred: Any) -> tuple[Any, Any]:
+    """Keras' rank alignment of a target and a prediction (a (N,) target against (N, 1) outputs is squeezed), as
+    its Loss and MeanMetricWrapper do."""
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+
+    return squeeze_or_expand_to_same_rank(y, y_pred)
+
+
+def binary_or_sparse(y: Any, y_pred: Any) -> tuple[bool, bool]:
+    """Keras' own rule for a string loss or metric ("crossentropy", "accuracy"): binary? sparse?"""
+    from keras.src.trainers.compile_utils import is_binary_or_sparse_categorical
+
+    return is_binary_or_sparse_categorical(y, y_pred)
+
+
+def metrics_list(metrics: list[Any]) -> Any:
+    """The container compiled metrics sit in, as Keras' callbacks look for them (`model.metrics[...]`)."""
+    from keras.src.trainers.compile_utils import MetricsList
+
+    return MetricsList(metrics)
