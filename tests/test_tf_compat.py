@@ -59,3 +59,23 @@ def test_keras_own_rules_for_compiled_losses_and_metrics():
     assert keras_compat.binary_or_sparse(tf.constant([[1.0], [0.0]]), tf.constant([[0.9], [0.2]])) == (True, False)
     assert keras_compat.binary_or_sparse(tf.constant([2, 0]), tf.constant([[0.1, 0.2, 0.7]] * 2))[1]
     assert len(keras_compat.metrics_list([keras.metrics.get("accuracy")]).metrics) == 1
+
+
+def test_keras_layers_seed_streams_and_wrapped_metrics_are_reached():
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dropout(0.5, seed=1)])
+    layers = keras_compat.layers_of(model, include_self=False)
+    assert [type(layer).__name__ for layer in layers][-2:] == ["Dense", "Dropout"]
+    assert keras_compat.layers_of(model, include_self=True)[0] is model
+    dense, dropout = layers[-2:]
+    assert len(keras_compat.seed_generators(dropout)) == 1 and keras_compat.seed_generators(dense) == []
+    fn, kwargs = keras_compat.wrapped_function(
+        keras.metrics.MeanMetricWrapper(keras.losses.mean_squared_error, name="m", foo=1)
+    )
+    assert fn is keras.losses.mean_squared_error and kwargs == {"foo": 1}
+
+
+def test_a_mirrored_strategys_collective_keys_start_where_asked():
+    strategy = tf_compat.made_with_collective_keys_from(tf.distribute.MirroredStrategy, 3000, devices=["/cpu:0"])
+    assert strategy._collective_key_base == 3000 and strategy.num_replicas_in_sync == 1

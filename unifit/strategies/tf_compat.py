@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["sharded_value", "checkpoint_through", "backing_value", "set_backing_value", "auto_shard", "batch_size_of"]
+__all__ = [
+    "made_with_collective_keys_from",
+    "sharded_value",
+    "checkpoint_through",
+    "backing_value",
+    "set_backing_value",
+    "auto_shard",
+    "batch_size_of",
+]
 
 # tf.data's batching datasets (.batch(), .padded_batch(), .batch(num_parallel_calls=...)), whose batch size
 # unifit reads to unbatch a pipeline the user batched (keras-io's habit, image_dataset_from_directory's default)
@@ -74,3 +82,12 @@ def batch_size_of(dataset: Any) -> int | None:
     while type(node).__name__ in _PER_BATCH:
         node = getattr(node, "_input_dataset", None)
     return int(node._batch_size) if type(node).__name__ in _BATCHING else None
+
+
+def made_with_collective_keys_from(cls: Any, base: int, **kwargs: Any) -> Any:
+    """A MirroredStrategy (or a subclass) whose collective keys start at `base`, not at TensorFlow's fixed first
+    ones: its set-up reads the base before __init__ runs, so it is set on the object first."""
+    strategy = cls.__new__(cls)
+    strategy._collective_key_base = base
+    strategy.__init__(**kwargs)
+    return strategy

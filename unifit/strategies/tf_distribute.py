@@ -200,10 +200,9 @@ def _fresh_collective_keys(cls: Any, **kwargs: Any) -> Any:
     process: a second fit in one process whose step all-reduces other shapes (another model, a
     precision that adds a collective) failed with "Shape mismatch in the collective instance 100".
     """
-    strategy = cls.__new__(cls)
-    strategy._collective_key_base = 1000 * next(_strategies_made)  # read by the strategy's set-up
-    strategy.__init__(**kwargs)
-    return strategy
+    from unifit.strategies.tf_compat import made_with_collective_keys_from
+
+    return made_with_collective_keys_from(cls, 1000 * next(_strategies_made), **kwargs)
 
 
 # TensorFlow sets up its collectives once per process: the MultiWorkerMirroredStrategy made first (when

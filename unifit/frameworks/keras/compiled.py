@@ -40,6 +40,7 @@ import tensorflow as tf
 from unifit._imports import load_object
 from unifit.errors import ConfigError
 from unifit.frameworks.keras.data import check_dataset
+from unifit.frameworks.keras.keras_compat import wrapped_function
 from unifit.frameworks.keras.module import KerasModule
 from unifit.frameworks.keras.own_step import built_for, model_optimizers, own_methods
 
@@ -182,7 +183,8 @@ class CompiledModel(KerasModule):
                         f"{where}: model.compile(metrics=[{name!r}]) is not a Keras metric ({exc})"
                     ) from None
             if isinstance(metric, keras.metrics.MeanMetricWrapper):
-                fn, kwargs = _same_rank(metric._fn), dict(metric._fn_kwargs)
+                fn, kwargs = wrapped_function(metric)
+                fn = _same_rank(fn)
                 resolved.append((name or metric.name, lambda y, y_pred, fn=fn, kwargs=kwargs: fn(y, y_pred, **kwargs)))
             elif isinstance(metric, keras.metrics.Metric):  # AUC, Precision, ...: its states, summed over workers
                 resolved.append((name or metric.name, _Stateful(metric)))

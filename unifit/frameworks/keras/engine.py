@@ -679,8 +679,10 @@ class KerasEngine(KerasEvaluation, Engine):
     def _seed_generators(self) -> list[Any]:
         """Keras layers' own random streams (Dropout, ...): not model weights, but part of the RNG state."""
         found = []
-        for layer in self.module.model._flatten_layers(include_self=True):
-            found += getattr(layer, "_seed_generators", [])
+        from unifit.frameworks.keras.keras_compat import layers_of, seed_generators
+
+        for layer in layers_of(self.module.model, include_self=True):
+            found += seed_generators(layer)
         return found
 
     def rng_state(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["same_rank", "binary_or_sparse", "metrics_list"]
+__all__ = ["same_rank", "binary_or_sparse", "metrics_list", "wrapped_function", "layers_of", "seed_generators"]
 
 
 def same_rank(y: Any, y_pred: Any) -> tuple[Any, Any]:
@@ -32,3 +32,18 @@ def metrics_list(metrics: list[Any]) -> Any:
     from keras.src.trainers.compile_utils import MetricsList
 
     return MetricsList(metrics)
+
+
+def wrapped_function(metric: Any) -> tuple[Any, dict[str, Any]]:
+    """A MeanMetricWrapper's function and the keyword arguments it calls it with."""
+    return metric._fn, dict(metric._fn_kwargs)
+
+
+def layers_of(model: Any, include_self: bool) -> list[Any]:
+    """Every layer inside `model`, nested ones too (what Keras walks to track weights)."""
+    return list(model._flatten_layers(include_self=include_self))
+
+
+def seed_generators(layer: Any) -> list[Any]:
+    """A layer's own random streams (Dropout's, ...): the RNG state a checkpoint keeps besides the weights."""
+    return list(getattr(layer, "_seed_generators", []))

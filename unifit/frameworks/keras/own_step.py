@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from unifit.frameworks.keras.keras_compat import layers_of
 from unifit.frameworks.keras.stateful import local_parts
 
 _STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
@@ -34,7 +35,7 @@ def build(model: Any, x_shape: Any) -> None:
     own step and no call(), a GAN, is built through its parts, as model.fit takes it)."""
     if x_shape is None or (model.built and model.weights):
         return
-    layers = list(model._flatten_layers(include_self=False))
+    layers = layers_of(model, include_self=False)
     if layers and all(layer.built for layer in layers) and type(model).call is keras.Model.call:
         return
     model.build(tuple([None, *x_shape]))

@@ -24,7 +24,7 @@ def prune_like(module: torch.nn.Module, state: dict[str, Any]) -> None:
     for name in pruned_names(state):
         owner, _, attribute = name.rpartition(".")
         submodule = module.get_submodule(owner)
-        if attribute in submodule._parameters:  # not pruned here yet
+        if attribute in dict(submodule.named_parameters(recurse=False)):  # not pruned here yet
             prune.custom_from_mask(submodule, attribute, mask=state[f"{name}_mask"])
 
 
