@@ -17,7 +17,6 @@ import logging
 from typing import Any, Callable
 
 from unifit.errors import ConfigError
-from unifit.frameworks.torch import lr_finder
 
 log = logging.getLogger("unifit")
 
@@ -34,7 +33,7 @@ def find_batch_size(engine: Any, settings: Any) -> int:
             "trainer.batch_size to it for the launch"
         )
     set_size = _setter(engine, settings.batch_arg_name)
-    saved = lr_finder.snapshot(engine)
+    saved = engine.snapshot()
     planned = engine.module.stepping_batches
     stepped, policy = engine.stepped, engine.policy
     engine.stepped = []
@@ -47,7 +46,7 @@ def find_batch_size(engine: Any, settings: Any) -> int:
         raise
     finally:
         engine.stepped, engine.policy = stepped, policy
-        lr_finder.restore(engine, saved)
+        engine.rewind(saved)
     adopt(engine, size, settings.batch_arg_name, set_size)
     engine.set_rng_state(saved["rng"])  # as before the trials, whatever making the loaders drew
     if engine.strategy.is_global_zero:
@@ -132,7 +131,7 @@ def _grown(engine: Any, size: int, wanted: int, max_val: int) -> int:
 
 
 def _samples(engine: Any) -> int | None:
-    if engine._stream:  # a stream's loader counts batches, not samples (Lightning caps no iterable data either)
+    if engine.reads_a_stream:  # a stream's loader counts batches, not samples (Lightning caps no iterable data either)
         return None
     try:
         return len(engine.train_loader.dataset)
@@ -168,10 +167,7 @@ def _trial(engine: Any, steps: int) -> bool:
     # out of memory; here, past the except block, the failed step's tensors (its traceback's) are released
     if engine.strategy.is_global_zero:
         log.info("batch size finder: batch size %d ran out of memory", engine.config.batch_size)
-    for optimizer in engine.optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    engine.precision.forget_step()
-    engine._mid_window = False
+    engine.abandon_step()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import itertools
@@ -607,6 +608,49 @@ class TorchEngine(TorchEvaluation, Engine):
     def find_lr(self, settings: Any) -> Any:
         return lr_finder.find_lr(self, settings)
 
+    # ---- what a tuner (the lr and batch size finders) changes, and puts back --------------------------------------
+    @property
+    def reads_a_stream(self) -> bool:
+        """The training data is an IterableDataset: its loader counts batches, not samples."""
+        return self._stream
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a sweep or a trial changes, copied to host memory (a copy on the GPU would take memory the trials
+        need): weights, optimizer and schedule states, step counters, a loss scaler's scale, the RNG."""
+        return _on_host(
+            {
+                "model": self.module.state_module.state_dict(),
+                "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                "schedulers": [spec.scheduler.state_dict() for spec in self.schedules],
+                "counters": (self._steps, self._scheduled_epoch, self._mid_window),
+                "steps_taken": list(self.seams.steps_taken),  # manual optimization: each optimizer's own (its warmup)
+                "precision": self.precision.state_dict(),
+                "rng": self.rng_state(),
+            }
+        )
+
+    def rewind(self, saved: dict[str, Any]) -> None:
+        """Back to a snapshot(), as if the steps since had not been taken (nor their losses logged)."""
+        self.module.state_module.load_state_dict(saved["model"])
+        for optimizer, state in zip(self.optimizers, saved["optimizers"]):
+            optimizer.load_state_dict(state)
+            optimizer.zero_grad(set_to_none=True)
+        for spec, state in zip(self.schedules, saved["schedulers"]):
+            spec.scheduler.load_state_dict(state)
+        self._steps, self._scheduled_epoch, self._mid_window = saved["counters"]
+        self.seams.steps_taken = list(saved["steps_taken"])
+        self.precision.forget_step()
+        self.precision.load_state_dict(saved["precision"])
+        self.set_rng_state(saved["rng"])
+        self.collector.reset()
+
+    def abandon_step(self) -> None:
+        """A step that failed midway (out of memory in a trial): its gradients dropped, no window left open."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.precision.forget_step()
+        self._mid_window = False
+
     def start_sharded_write(self, state: dict[str, Any], url: str) -> tuple[dict[str, Any], Future | None]:
         return self.training.start_sharded_write(state, url, self.config.storage_options)
 
@@ -683,3 +727,14 @@ def _check_manual(cfg: Any, name: str) -> None:
 
 def _schedules(spec: Any, optimizer: Any) -> bool:
     return getattr(spec.scheduler, "optimizer", optimizer) is optimizer
+
+
+def _on_host(value: Any) -> Any:
+    """A copy of `value` with its tensors in host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _on_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_host(item) for item in value)
+    return copy.deepcopy(value)

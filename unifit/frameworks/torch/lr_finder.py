@@ -11,7 +11,6 @@ schedules follow) and the module's `lr` / `learning_rate` attribute (or `attr_na
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ def suggestion(lrs: list[float], losses: list[float]) -> float | None:
 def find_lr(engine: Any, settings: Any) -> LRFinderResult:
     """Run the range test on `engine` (a set-up TorchEngine, before its first step) and put everything back."""
     owner, attribute = _lr_attribute(engine, settings)
-    saved = snapshot(engine)
+    saved = engine.snapshot()
     stepped, policy = engine.stepped, engine.policy
     engine.stepped, engine.policy = [], type(policy)(factor=policy.factor, warmup_steps=0)
     result, average, best = LRFinderResult(), 0.0, math.inf
@@ -90,7 +89,7 @@ def find_lr(engine: Any, settings: Any) -> LRFinderResult:
             epoch += 1
     finally:
         engine.stepped, engine.policy = stepped, policy
-        restore(engine, saved)
+        engine.rewind(saved)
     result.suggestion = suggestion(result.lrs, result.losses)
     was = engine.optimizer.param_groups[0]["lr"]
     if result.suggestion is not None and settings.update_attr:
@@ -129,48 +128,6 @@ def _set_lr(engine: Any, lr: float) -> None:
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-
-
-def snapshot(engine: Any) -> dict[str, Any]:
-    """What a sweep or a trial changes, copied to host memory (a copy on the GPU would take memory the trials need)."""
-    return _on_host(
-        {
-            "model": engine.module.state_module.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in engine.optimizers],
-            "schedulers": [spec.scheduler.state_dict() for spec in engine.schedules],
-            "counters": (engine._steps, engine._scheduled_epoch, engine._mid_window),
-            "steps_taken": list(engine.seams.steps_taken),  # manual optimization: each optimizer's own (its warmup)
-            "precision": engine.precision.state_dict(),  # a loss scaler's scale
-            "rng": engine.rng_state(),
-        }
-    )
-
-
-def _on_host(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _on_host(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_on_host(item) for item in value)
-    return copy.deepcopy(value)
-
-
-def restore(engine: Any, saved: dict[str, Any]) -> None:
-    engine.module.state_module.load_state_dict(saved["model"])
-    for optimizer, state in zip(engine.optimizers, saved["optimizers"]):
-        optimizer.load_state_dict(state)
-        optimizer.zero_grad(set_to_none=True)
-    for spec, state in zip(engine.schedules, saved["schedulers"]):
-        spec.scheduler.load_state_dict(state)
-    engine._steps, engine._scheduled_epoch, engine._mid_window = saved["counters"]
-    engine.seams.steps_taken = list(saved["steps_taken"])
-    engine.precision.forget_step()
-    engine.precision.load_state_dict(saved["precision"])
-    engine.set_rng_state(saved["rng"])
-    engine.collector.reset()  # the sweep's losses and logged values are not the first epoch's
 
 
 def _adopt(engine: Any, factor: float) -> None:
