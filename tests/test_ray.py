@@ -77,6 +77,31 @@ def test_keras_mwms_on_ray_tensorflow_trainer_equals_a_launch(tmp_path, referenc
     assert [p.rsplit("/", 1)[-1] for p in result["checkpoints"]][-1] == "epoch=0003-step=0000012", result
 
 
+@pytest.mark.launch
+@pytest.mark.timeout(400)
+def test_an_elastic_group_grows_and_resumes_at_the_new_world_size(tmp_path):
+    """num_workers (1, 2) on a Ray cluster of one node with 1 CPU: the group starts with 1 worker; once the epoch-1
+    checkpoint is committed a second node joins, Ray re-forms the group with 2 workers (its autoscaling coordinator
+    sees new nodes every 20 s), which resume from the newest checkpoint on a world of 2 and finish."""
+    slow = {"class_path": "tests.probe.callbacks.SlowSteps", "init_args": {"seconds": 1.0}}
+    run = _run(tmp_path, "ddp", [slow])
+    run["overrides"] += ["--trainer.max_epochs", "5"]
+    run.pop("num_workers")
+    first = str(tmp_path / "storage" / "ddp" / "checkpoints" / "epoch=0001-*" / "COMMITTED.json")
+    run |= {"scaling": {"num_workers": [1, 2], "elastic_resize_monitor_interval_s": 1}, "grow_when": first}
+    [result, log] = _drive(tmp_path, [run], timeout=360)
+    assert result["error"] is None, result
+    log = log["log"]
+    assert "world size 1" in log and "world size 2" in log, log[-4000:]
+    assert log.index("world size 1") < log.index("world size 2") and "resumed from" in log, log[-4000:]
+    ends = [tuple(int(part.split("=")[1]) for part in p.rsplit("/", 1)[-1].split("-")) for p in result["checkpoints"]]
+    assert ends[-1][0] == 5 and result["metrics"]["epoch"] == 5, ends
+    # steps an epoch: 8 on the world of 1 (64 samples, batch 8), then 4 on the world of 2, each epoch once
+    steps = [b - a for (_, a), (_, b) in zip([(0, 0), *ends], ends)]
+    assert [epoch for epoch, _ in ends] == [1, 2, 3, 4, 5] and 8 in steps and steps[-1] == 4, ends
+    assert steps == sorted(steps, reverse=True), ends  # never back to 8 once the group grew
+
+
 def test_a_strategy_with_a_launcher_of_its_own_is_refused_before_ray_starts(tmp_path):
     import unifit.ray
     from unifit.errors import ConfigError

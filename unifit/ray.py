@@ -40,26 +40,32 @@ def fit(
     config: str | os.PathLike,
     overrides: Sequence[str] = (),
     *,
-    num_workers: int = 1,
+    num_workers: int | tuple[int, int] = 1,
     use_gpu: bool = False,
     storage_path: str | None = None,
     name: str | None = None,
     max_failures: int = 0,
+    scaling_config: Any = None,
 ) -> Any:
-    """Check the experiment, then train it on `num_workers` Ray Train workers; Ray's Result (its metrics: rank
-    0's last report; `checkpoint`: the newest unifit checkpoint). Needs a Ray cluster (`ray.init()` is called
-    when none is connected, as Ray does)."""
+    """Check the experiment, then train it on `num_workers` Ray Train workers (`(min, max)`: elastic, Ray re-forms
+    the group as workers come and go); Ray's Result (its metrics: rank 0's last report; `checkpoint`: the newest
+    unifit checkpoint). `scaling_config`: a ray.train.ScalingConfig of your own instead of num_workers and use_gpu
+    (resources per worker, accelerator type, ...). Needs a Ray cluster (`ray.init()` is called when none is
+    connected, as Ray does)."""
     try:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
     except ImportError:
         raise ConfigError("unifit.ray needs Ray Train, which is not installed; pip install 'unifit[ray]'") from None
-    if num_workers < 1 or max_failures < -1:
-        raise ConfigError(f"num_workers={num_workers}, max_failures={max_failures}: give 1 or more workers, 0 or more")
+    if max_failures < -1:
+        raise ConfigError(f"max_failures={max_failures}: give 0 or more restarts (-1: without end)")
+    if scaling_config is None:
+        _check_workers(num_workers)
+        scaling_config = ScalingConfig(num_workers=num_workers, use_gpu=use_gpu)  # type: ignore[arg-type]  # v2: (min, max)
     settings = loop_config(config, overrides, storage_path=storage_path, name=name)
     trainer = _ray_trainer(settings["backend"])(
         train_loop_per_worker,
         train_loop_config=settings,
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        scaling_config=scaling_config,
         run_config=RunConfig(
             name=settings["name"],
             storage_path=settings["storage_path"],
@@ -67,6 +73,14 @@ def fit(
         ),
     )
     return trainer.fit()
+
+
+def _check_workers(num_workers: int | tuple[int, int]) -> None:
+    low, high = (num_workers, num_workers) if isinstance(num_workers, int) else tuple(num_workers)
+    if not 1 <= low <= high:
+        raise ConfigError(
+            f"num_workers={num_workers!r}: give 1 or more workers, or (min, max) with 1 <= min <= max (elastic)"
+        )
 
 
 def _ray_trainer(backend: str) -> Any:
