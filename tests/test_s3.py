@@ -367,6 +367,17 @@ def test_data_sharded_by_file_from_s3(s3_endpoint, bucket, tmp_path):
     assert fs.exists(f"{bucket}/runs/sharded/tensorboard") and fs.exists(f"{bucket}/runs/sharded/checkpoints/last.json")
 
 
+def test_a_checkpoint_on_s3_is_named_by_its_url(s3_endpoint, bucket, tmp_path):
+    """What a fit reports as its last checkpoint (loggers' log_checkpoint, Ray's report, messages) is a URL with
+    its scheme on S3, and a plain path on a local disk: fsspec's own form drops the scheme."""
+    from unifit.checkpoint.store import CheckpointStore
+
+    assert CheckpointStore(f"s3://{bucket}/ckpt").location("epoch=0001-step=0000004") == (
+        f"s3://{bucket}/ckpt/epoch=0001-step=0000004"
+    )
+    assert CheckpointStore(str(tmp_path / "ckpt")).location("last") == str(tmp_path / "ckpt" / "last")
+
+
 def test_file_shards_split_by_rank_and_refuse_too_few_files(s3_endpoint, bucket):
     from unifit.data import NpzShards
     from unifit.errors import ConfigError

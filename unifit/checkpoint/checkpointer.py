@@ -98,7 +98,8 @@ class Checkpointer:
         after_commit: Callable[[CheckpointStore, str], None] | None = None,
     ) -> str:
         """Capture the state now (every rank must call this); rank 0 commits it in the background,
-        then runs `after_commit(store, name)`. Returns the checkpoint's path (the same on every rank)."""
+        then runs `after_commit(store, name)`. Returns the checkpoint's location, a local path or a URL (the same
+        on every rank)."""
         engine, strategy, store = self.engine, self.strategy, self.store
         strategy.barrier("save_checkpoint")
         self.committer.wait()  # the previous checkpoint is committed before this one may replace it
@@ -108,7 +109,7 @@ class Checkpointer:
             (engine.rng_state(), engine.collector.state_dict() if mid_epoch else {}, uuid.uuid4().hex[:8])
         )
         name = name or checkpoint_name(state.epoch, state.global_step)
-        path, directory = store.path(name), store.write_dir(name, ranks[0][2])
+        path, directory = store.location(name), store.write_dir(name, ranks[0][2])
         if strategy.is_global_zero:
             store.clear(name)  # before any rank writes its shards there
         # a sharded strategy's ranks start writing their shards now (a snapshot, written in the background)

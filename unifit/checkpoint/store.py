@@ -36,7 +36,12 @@ class CheckpointStore:
         self._renames = "file" in _protocols(self.fs)  # local disks rename; object stores commit by marker
 
     def path(self, name: str) -> str:
+        """Checkpoint `name`'s directory on this store's file system (its protocol stripped, as fsspec takes it)."""
         return f"{self.root.rstrip('/')}/{name}"
+
+    def location(self, name: str) -> str:
+        """Where checkpoint `name` is, as a user names it: a local path, or a URL with its scheme (s3://...)."""
+        return self.fs.unstrip_protocol(self.path(name)).removeprefix("file://")
 
     # ---- writing (rank 0 only, but for a sharded checkpoint's shards) ------------------------
     def write_dir(self, name: str, token: str) -> str:
