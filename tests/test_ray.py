@@ -44,23 +44,29 @@ def _drive(tmp_path, runs: list[dict], timeout: float) -> list[dict]:
 
 @pytest.mark.launch
 @pytest.mark.timeout(600)
-def test_ray_train_workers_equal_a_launch_and_a_killed_worker_resumes(tmp_path, reference_run):
+def test_ray_train_workers_equal_a_launch_and_a_killed_worker_resumes(tmp_path, reference_run, s3_endpoint, bucket):
+    """ddp with a worker killed, its storage path on this machine; fsdp with its storage path on S3 (a moto server
+    on 127.0.0.1: Ray and unifit both write there)."""
     reference_run.prefetch(["ddp", "fsdp"])
     kill = {"class_path": "tests.probe.callbacks.KillOnce", "init_args": {"marker": str(tmp_path / "killed")}}
-    runs = [_run(tmp_path, "ddp", [kill], max_failures=1), _run(tmp_path, "fsdp", [])]
+    on_s3 = f"s3://{bucket}/ray-runs"
+    runs = [_run(tmp_path, "ddp", [kill], max_failures=1), _run(tmp_path, "fsdp", [], storage_path=on_s3)]
     *results, log = _drive(tmp_path, runs, timeout=540)
     assert (tmp_path / "killed").exists(), "the worker was not killed"
+    run_dirs = {"ddp": str(tmp_path / "storage" / "ddp"), "fsdp": f"{bucket}/ray-runs/fsdp"}  # pyarrow's S3 paths
     for strategy, result in zip(("ddp", "fsdp"), results, strict=True):
         assert result["error"] is None, result
         mine, theirs = reports(tmp_path / strategy), reports(reference_run(strategy))
         assert [r["weights_sha256"] for r in mine] == [r["weights_sha256"] for r in theirs], strategy
         assert result["metrics"]["epoch"] == 3 and result["metrics"]["val/loss"] == theirs[0]["metrics"]["val/loss"]
         # the checkpoints Ray lists: unifit's own, committed in the run directory on Ray's storage path
-        run_dir = tmp_path / "storage" / strategy
         names = [path.rsplit("/", 1)[-1] for path in result["checkpoints"]]
-        assert all(path.startswith(f"{run_dir}/checkpoints/") for path in result["checkpoints"]), result
+        assert all(path.startswith(f"{run_dirs[strategy]}/checkpoints/") for path in result["checkpoints"]), result
         assert names[-1] == "epoch=0003-step=0000012" and len(set(names)) == len(names), names
         assert result["checkpoint"] == result["checkpoints"][-1]
+    stored = s3_endpoint.fs().ls(f"{bucket}/ray-runs/fsdp/checkpoints")
+    assert {path.rsplit("/", 1)[-1] for path in stored} >= {"epoch=0003-step=0000012"}, stored
+    assert s3_endpoint.fs().exists(f"{bucket}/ray-runs/fsdp/metrics.jsonl")
     assert "resumed from" in log["log"], log["log"][-4000:]  # the restarted group continued from the epoch-1 checkpoint
 
 

@@ -58,13 +58,13 @@ class RayTrainReport(Callback):
 
 
 def _checkpoint(path: str) -> Any:
-    """Ray's Checkpoint of a committed unifit checkpoint, on its own filesystem (local, s3:// ...)."""
+    """Ray's Checkpoint of a committed unifit checkpoint, on Ray's own storage filesystem (local, s3:// ...): Ray
+    takes as its own only a checkpoint on the very filesystem object of its storage, inside its run directory."""
     import pyarrow.fs
     import ray.train
 
-    if "://" not in path:
-        return ray.train.Checkpoint(path=os.path.abspath(path), filesystem=pyarrow.fs.LocalFileSystem())
-    filesystem, inner = pyarrow.fs.FileSystem.from_uri(path)
+    filesystem = ray.train.get_context().get_storage().storage_filesystem
+    inner = os.path.abspath(path) if "://" not in path else pyarrow.fs.FileSystem.from_uri(path)[1]
     return ray.train.Checkpoint(path=inner, filesystem=filesystem)
 
 
