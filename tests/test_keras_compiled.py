@@ -315,3 +315,33 @@ def test_resume_continues_as_an_uninterrupted_run(tmp_path):
         max_epochs=EPOCHS, batch_size=N_TRAIN, root_dir=str(tmp_path / "resumed"), progress_bar=False, seed=0
     ).fit(resumed, data=data, ckpt_path="last")
     _close(resumed.get_weights(), straight.get_weights(), tol=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_subclassed_model_built_at_its_first_call_trains_as_model_fit(tmp_path):
+    """A keras.Model subclass whose layers build at their first call (no build(), no Input): Keras' build() marks
+    it built and creates nothing; unifit creates its variables before the optimizer is built, as model.fit's first
+    batch does (it failed with "not enough values to unpack" before)."""
+    import keras
+
+    class Subclassed(keras.Model):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.hidden, self.out = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    def model():
+        keras.utils.set_random_seed(0)
+        m = Subclassed()
+        m.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+        return m
+
+    ours, theirs = model(), model()
+    _fit(ours, arrays(N_TRAIN, seed=1), tmp_path, lr_scaling="none")
+    theirs.fit(*arrays(N_TRAIN, seed=1), batch_size=N_TRAIN, epochs=EPOCHS, shuffle=False, verbose=0)
+    assert len(ours.get_weights()) == 4
+    _close(ours.get_weights(), theirs.get_weights())

@@ -42,7 +42,7 @@ from unifit.errors import ConfigError
 from unifit.frameworks.keras.data import check_dataset
 from unifit.frameworks.keras.keras_compat import wrapped_function
 from unifit.frameworks.keras.module import KerasModule
-from unifit.frameworks.keras.own_step import built_for, model_optimizers, own_methods
+from unifit.frameworks.keras.own_step import build, built_for, model_optimizers, own_methods
 
 log = logging.getLogger("unifit")
 _COMPILE_FIRST = "call model.compile(optimizer=..., loss=...) first"
@@ -344,6 +344,8 @@ class CompiledModel(KerasModule):
         if built is not user:
             if not user.weights and getattr(built, "inputs", None):
                 user.build(built.inputs[0].shape)
+            elif not user.weights and self.built_for_input is not None:  # a subclassed model built at its first call
+                build(user, *self.built_for_input)
             user.set_weights(built.get_weights())
         if self._originals:  # trained as it is: its own optimizers back, with the trained ones' state
             for name, own in self._originals.items():

@@ -193,7 +193,8 @@ class KerasEngine(KerasEvaluation, Engine):
             self.optimizer, self.schedule = with_policy(optimizer, self.policy)
             self.step_optimizer = precision.step_optimizer(self.optimizer)  # float16: a LossScaleOptimizer around it
             x_shape = self.train_lazy.x_shape if self.train_lazy is not None else self.train_arrays[0].shape[1:]
-            build(model, x_shape)
+            self.module.built_for_input = (x_shape, getattr(self._batch_specs()[0], "dtype", "float32"))
+            build(model, *self.module.built_for_input)
             self.training.prepare_model(model)
             self.targets = self.training.gradient_targets(model.trainable_variables)
             self.step_optimizer.build(self.targets)

@@ -44,6 +44,7 @@ class KerasModule(ModuleBase):
     # set by the engine while fit trains: what Keras callbacks reach through model.optimizer
     trained_optimizer: Any = None  # the optimizer the step uses (the compiled one's twin, with unifit's lr schedule)
     learning_rate: Any = None  # frameworks/keras/lr.py's LearningRateControl
+    built_for_input: Any = None  # (x shape without the batch, dtype): what the model's variables were built for
 
     def build_model(self) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define build_model() returning a keras.Model")

@@ -30,7 +30,7 @@ from unifit.frameworks.keras.stateful import local_parts
 _STEP_METHODS = ("train_step", "test_step", "compute_loss", "compute_metrics")
 
 
-def build(model: Any, x_shape: Any) -> None:
+def build(model: Any, x_shape: Any, x_dtype: Any = "float32") -> None:
     """Build the model's variables for inputs of `x_shape`: unless they are all built already (a model with its
     own step and no call(), a GAN, is built through its parts, as model.fit takes it)."""
     if x_shape is None or (model.built and model.weights):
@@ -39,6 +39,10 @@ def build(model: Any, x_shape: Any) -> None:
     if layers and all(layer.built for layer in layers) and type(model).call is keras.Model.call:
         return
     model.build(tuple([None, *x_shape]))
+    if not model.weights and layers and type(model).call is not keras.Model.call:
+        # a subclassed model without build(): Keras marks it built and creates nothing; its layers build at their
+        # first call, as under model.fit's first batch (the optimizer must know the variables before the step)
+        model(tf.zeros((1, *[d or 1 for d in x_shape]), x_dtype), training=False)
 
 
 def own_methods(model: Any) -> list[str]:
