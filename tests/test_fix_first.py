@@ -282,6 +282,7 @@ def test_nan_guard_flags_a_non_finite_loss_before_the_first_optimizer_step():
         last_checkpoint=None,
         finite_probe=lambda loss: lambda: bool(np.isfinite(loss)),
         all_reduce_max=lambda a: a,
+        passed_batch=lambda every: True,  # the loop's first batch (0 -> 1)
     )
     guard = NanGuard(NanGuardConfig(check_every_n_steps=1))
     with pytest.raises(NonFiniteLossError, match="non-finite loss at step 0 on rank 0"):

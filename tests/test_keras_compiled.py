@@ -238,7 +238,6 @@ def test_bad_input_is_refused_in_one_line():
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for kwargs, needle in [
         ({"run_eagerly": True}, "run_eagerly=True"),
-        ({"steps_per_execution": 4}, "steps_per_execution=4"),
     ]:
         model = _sequential()
         model.compile(optimizer="sgd", loss=loss, **kwargs)

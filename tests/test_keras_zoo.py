@@ -12,6 +12,8 @@ What must hold:
 - mirrored, mwms and horovod (2 replicas x batch 16) end with single's weights (batch 32) in 32-true, and
   follow its loss curve in bf16-mixed; every process holds the same model;
 - the text model crashed mid-epoch and resumed from the last checkpoint ends where the uninterrupted run ends.
+The text model is compiled with steps_per_execution=3 (calls of 3 and 1 batches), so all of this holds for calls of
+several batches too.
 The augmented image model draws its random flips and rotations anew in every pipeline, so it is held to
 training and agreeing across processes; without its augmentation ("image-plain") it equals model.fit."""
 

@@ -28,6 +28,7 @@ def classifier():
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        steps_per_execution=10,  # as TensorFlow's parameter-server tutorial compiles its model for model.fit
     )
     return model
 

@@ -28,14 +28,15 @@ class Recorder(unifit.Callback):
 
 
 class Crash(unifit.Callback):
-    """A checkpoint in the middle of the second epoch, then a crash a step later (its checkpoint stays)."""
+    """A checkpoint in the middle of the second epoch, then a crash a step later (its checkpoint stays); with several
+    steps per call (Keras' steps_per_execution), at the first calls past those steps."""
 
     def __init__(self) -> None:
         self.saved_at: int | None = None
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         step, per_epoch = ctx.progress.optimizer_step, ctx.progress.steps_per_epoch
-        if self.saved_at is None and step == per_epoch + max(1, per_epoch // 2):
+        if self.saved_at is None and step >= per_epoch + max(1, per_epoch // 2):
             ctx.save_checkpoint()
             self.saved_at = step
         elif self.saved_at is not None and step > self.saved_at:

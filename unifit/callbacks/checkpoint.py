@@ -124,7 +124,6 @@ class IntervalCheckpoint(ModelCheckpoint):
 
     def __init__(self, config: CheckpointConfig, report: Callable[..., None] | None = None) -> None:
         super().__init__(config, report)
-        self._seen_step = -1
         self._last_save = time.monotonic()
 
     @property
@@ -132,24 +131,16 @@ class IntervalCheckpoint(ModelCheckpoint):
         return "ModelCheckpoint"  # the same state, whichever of the two saves it
 
     def on_fit_start(self, ctx: Any) -> None:
-        self._seen_step, self._last_save = ctx.progress.optimizer_step, time.monotonic()
+        self._last_save = time.monotonic()
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        step = ctx.progress.optimizer_step
-        if step == self._seen_step:  # an accumulation micro-batch: no optimizer step happened
-            return
-        self._seen_step = step
-        cfg = self.config
-        due = cfg.every_n_steps is not None and step % cfg.every_n_steps == 0
-        if cfg.every_n_minutes is not None and step % self.AGREE_EVERY == 0 and not due:
+        cfg = self.config  # on an accumulation micro-batch no step is passed (no optimizer step happened)
+        due = cfg.every_n_steps is not None and ctx.passed_step(cfg.every_n_steps)
+        if cfg.every_n_minutes is not None and ctx.passed_step(self.AGREE_EVERY) and not due:
             late = ctx.is_global_zero and time.monotonic() - self._last_save >= 60 * cfg.every_n_minutes
             due = bool(ctx.all_reduce_max(np.array([1.0 if late else 0.0]))[0])
         if due:
             self._save(ctx)
-
-    def on_epoch_end(self, ctx: Any) -> None:
-        super().on_epoch_end(ctx)
-        self._seen_step = ctx.progress.optimizer_step
 
     def _save(self, ctx: Any, scored: bool = False) -> None:
         super()._save(ctx, scored)

@@ -85,18 +85,12 @@ class KerasBatchCallbacks(KerasCallbacks):
     preemption.check_every_n_steps steps and at the epoch's end: a collective per step would cost TensorFlow's
     MultiWorkerMirroredStrategy ~3 KB of memory each (a new collective key every call, seen in a 5,000-step soak)."""
 
-    def __init__(self, callbacks: list[Any]) -> None:
-        super().__init__(callbacks)
-        self._agreed_step = -1
-
     def on_train_batch_start(self, ctx: Any, batch: Any, batch_idx: int) -> None:
         self.listing.on_train_batch_begin(batch_idx)
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
         self.listing.on_train_batch_end(batch_idx, {"loss": float(loss)})
-        step = ctx.progress.optimizer_step
-        if step != self._agreed_step and step % ctx.config.preemption.check_every_n_steps == 0:
-            self._agreed_step = step
+        if ctx.passed_step(ctx.config.preemption.check_every_n_steps):
             agree_on_asked_stop(ctx)
 
 

@@ -46,7 +46,6 @@ class LightningHooks(Callback):
         self.adapter = adapter
         self.lm = adapter.lightning
         self._batch: Any = None
-        self._agreed_step = -1  # the optimizer step the ranks last agreed on trainer.should_stop at
 
     @property
     def state_key(self) -> str:
@@ -79,9 +78,8 @@ class LightningHooks(Callback):
             batch = self._batch
             outputs = self.adapter.batch_outputs()
             self.adapter.call_batch_hook("on_train_batch_end", outputs, batch, batch_idx, batch=batch)
-        step = ctx.progress.optimizer_step  # trainer.should_stop set on some ranks: all stop at an agreed step
-        if step != self._agreed_step and step % ctx.config.preemption.check_every_n_steps == 0:
-            self._agreed_step = step
+        # trainer.should_stop set on some ranks: all stop at an agreed step
+        if ctx.passed_step(ctx.config.preemption.check_every_n_steps):
             agree_on_asked_stop(ctx)
 
     def on_validation_start(self, ctx: Any) -> None:

@@ -26,7 +26,7 @@ class NanGuard(Callback):
         self._pending: list[tuple[int, Any]] = []
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        if (batch_idx + 1) % self.every:
+        if not ctx.passed_batch(self.every):
             return
         self._pending.append((ctx.state.global_step, ctx.finite_probe(loss)))
         bad_step, waiting = None, []

@@ -34,10 +34,9 @@ class Preemption(Callback):
         self.save = save
         self._received = 0
         self._previous: dict[int, Any] = {}
-        self._seen_step = -1
 
     def on_fit_start(self, ctx: Any) -> None:
-        self._received, self._seen_step = 0, ctx.progress.optimizer_step
+        self._received = 0
         if threading.current_thread() is not threading.main_thread():
             log.info("fit() runs outside the main thread: its signals are not turned into a checkpointed stop")
             return
@@ -54,11 +53,8 @@ class Preemption(Callback):
         self._received = self._received or signum
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        step = ctx.progress.optimizer_step
-        if step == self._seen_step or step % self.every:
-            return
-        self._seen_step = step
-        self._agree(ctx)
+        if ctx.passed_step(self.every):  # not on an accumulation micro-batch (no optimizer step)
+            self._agree(ctx)
 
     def on_epoch_end(self, ctx: Any) -> None:
         self._agree(ctx)

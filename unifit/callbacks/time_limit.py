@@ -21,17 +21,13 @@ class TimeLimit(Callback):
         self.seconds, self.every = seconds, every
         self._before = 0.0  # trained before a resume
         self._started = time.monotonic()
-        self._seen_step = -1
 
     def on_fit_start(self, ctx: Any) -> None:
         self._started = time.monotonic() - self._before
-        self._seen_step = ctx.progress.optimizer_step
 
     def on_train_batch_end(self, ctx: Any, loss: Any, batch_idx: int) -> None:
-        step = ctx.progress.optimizer_step
-        if step == self._seen_step or step % self.every:
+        if not ctx.passed_step(self.every):
             return
-        self._seen_step = step
         over = np.array([float(self.elapsed() >= self.seconds)])
         if ctx.world_size > 1:
             over = ctx.all_reduce_max(over)

@@ -133,6 +133,10 @@ class Engine(ABC):
     @abstractmethod
     def optimizer_steps(self) -> int: ...
 
+    # the batches in the item train_batches yielded last: more than one where a call runs several (Keras'
+    # steps_per_execution); the loop counts batches, and the engine its optimizer steps, by it
+    batches_in_step: int = 1
+
     @abstractmethod
     def train_batches(self, epoch: int, skip: int = 0) -> Iterable[Any]:
         """This rank's shard of epoch `epoch`, as device batches, starting after its first `skip`

@@ -67,7 +67,7 @@ class LoggerConnector(RecordsMidEpochValidations):
         step = ctx.state.global_step
         if step < self._next_step or not self.loggers:
             return
-        self._next_step = step + self.every
+        self._next_step = (step // self.every + 1) * self.every  # a call of several steps may pass a multiple
         logged = {name: float(value) for name, value in ctx.step_metrics().items()}  # self.log(..., on_step=True)
         if loss is not None:  # None: a skipped batch
             logged["train/loss_step"] = float(loss)

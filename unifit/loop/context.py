@@ -33,10 +33,23 @@ class FitContext:
     last_checkpoint: str | None = None  # the newest checkpoint saved or resumed from (same on every rank)
     resumed_from: str | None = None  # the name of the checkpoint this fit resumed from
     threads: int = 1  # CPU threads each rank computes with
+    # before the step call the loop last ran: optimizer steps in all, batches of the epoch (a call runs several
+    # batches under Keras' steps_per_execution, so the counts may pass an interval's multiple without landing on it)
+    steps_before_call: int = 0
+    batches_before_call: int = 0
 
     @property
     def progress(self) -> Progress:
         return self.state.progress
+
+    def passed_step(self, every: int) -> bool:
+        """Whether the last step call reached a multiple of `every` optimizer steps (`step % every == 0`, where
+        a call runs one step; the first call past the multiple, where it runs several)."""
+        return self.progress.optimizer_step // every > self.steps_before_call // every
+
+    def passed_batch(self, every: int) -> bool:
+        """The same for the epoch's batches."""
+        return self.progress.batch_in_epoch // every > self.batches_before_call // every
 
     @property
     def batches_per_epoch(self) -> int:

@@ -407,12 +407,16 @@ class Trainer:
             )
             started = time.perf_counter()
             validates = engine.has_validation and (epoch + 1) % cfg.validate_every_n_epochs == 0
-            for batch_idx, batch in enumerate(engine.train_batches(epoch, skip), start=skip):
+            batch_idx = skip - 1
+            for batch in engine.train_batches(epoch, skip):
+                # a call of several batches (Keras' steps_per_execution): hooks get its first and last index
+                first, batch_idx = batch_idx + 1, batch_idx + engine.batches_in_step
                 for hook in batch_start:
-                    hook(ctx, batch, batch_idx)
+                    hook(ctx, batch, first)
                 if state.end_epoch:  # Lightning's on_train_batch_start returning -1: the rest of the epoch skipped
                     state.end_epoch = False
                     break
+                ctx.steps_before_call, ctx.batches_before_call = progress.optimizer_step, first
                 loss = engine.train_step(batch, batch_idx)
                 progress.batch_in_epoch = batch_idx + 1
                 progress.optimizer_step = engine.optimizer_steps
@@ -422,7 +426,7 @@ class Trainer:
                     state.request_stop(f"max_steps={cfg.max_steps} reached")
                 if state.should_stop:
                     break
-                if validates and check_every and (batch_idx + 1) % check_every == 0:
+                if validates and check_every and ctx.passed_batch(check_every):
                     if batch_idx + 1 < progress.batches_per_epoch:  # the epoch's end validates anyway
                         validating = time.perf_counter()
                         self._validate(engine, strategy, dispatch, ctx)

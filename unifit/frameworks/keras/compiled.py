@@ -14,9 +14,9 @@
   MeanMetricWrapper objects such as SparseCategoricalAccuracy); 'accuracy'/'acc' are resolved from
   the shapes of the targets and predictions, as Keras does. Stateful metrics that are not means
   (AUC, Precision, Recall, ...) become stateful_metrics(): exact over every replica and worker.
-What compile() offers that unifit cannot honour (several outputs, run_eagerly, steps_per_execution > 1) is
-refused in one line naming the argument; loss_weights, weighted_metrics and metrics per output are computed by
-Keras' own train_step, run as below.
+What compile() offers that unifit cannot honour (several outputs, run_eagerly) is refused in one line naming
+the argument; steps_per_execution runs that many batches in one compiled call, as in model.fit; loss_weights,
+weighted_metrics and metrics per output are computed by Keras' own train_step, run as below.
 
 A model with its own step (it overrides train_step, test_step or compute_loss, or is compiled without a
 loss: keras-io's VAE and GANs) is trained by that step, as model.fit trains it (frameworks/keras/own_step.py);
@@ -102,11 +102,13 @@ class CompiledModel(KerasModule):
                 f"{where}: model.compile(run_eagerly=True); unifit runs the step as one compiled "
                 "tf.function: compile with run_eagerly=False"
             )
-        if int(config.get("steps_per_execution") or 1) != 1:
+        per_call = config.get("steps_per_execution", 1)
+        if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:
             raise ConfigError(
-                f"{where}: model.compile(steps_per_execution={config['steps_per_execution']}); unifit "
-                "runs one batch per step call: compile with steps_per_execution=1"
+                f"{where}: model.compile(steps_per_execution={per_call!r}); give a whole number of batches "
+                "per compiled call, 1 or more"
             )
+        self.steps_per_execution = per_call
         if len(getattr(model, "outputs", None) or [None]) > 1 and not self.own_step:
             raise ConfigError(
                 f"{where} has {len(model.outputs)} outputs; unifit trains models with one output and one loss for now"

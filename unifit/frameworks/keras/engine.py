@@ -209,7 +209,8 @@ class KerasEngine(KerasEvaluation, Engine):
         self._steps = 0  # optimizer steps, counted here so no step reads a device variable
         self.module.trained_optimizer = self.optimizer
         self.module.learning_rate = self.lr_control = LearningRateControl(self.schedule, lambda: self._steps)
-        self._train_fn = tf.function(self._distributed_step(train=True))
+        self._train_fns: dict[int, Any] = {}  # by batches per call (steps_per_execution; fewer at an epoch's end)
+        self.steps_per_execution = int(getattr(self.module, "steps_per_execution", 1) or 1)
         self._val_fn = tf.function(self._distributed_step(train=False))
         self._untried = {"training", "validation"} if cfg.compile else set()  # XLA compiles at the first call
 
@@ -263,14 +264,14 @@ class KerasEngine(KerasEvaluation, Engine):
         self.local_batch = self.config.batch_size * self.local_replicas
 
     # ---- compiled steps -------------------------------------------------------------------
-    def _distributed_step(self, train: bool, prefix: str = "val/", evaluate: Any = None) -> Any:
-        """The compiled step: training, or evaluation with `evaluate` (validation_step by default)
-        logging under `prefix`."""
+    def _distributed_step(self, train: bool, prefix: str = "val/", evaluate: Any = None, batches: int = 1) -> Any:
+        """The compiled step: training (`batches` batches from the iterator it is given), or evaluation of one
+        batch with `evaluate` (validation_step by default) logging under `prefix`."""
         module, clip, precision = self.module, self.config.gradient_clip_val, self.precision
         optimizer = getattr(self, "step_optimizer", None)  # none when only evaluating
         prefix = "train/" if train else prefix
         if self.own is not None:
-            return self.own.function(train, prefix, jit_compile=bool(self.config.compile))
+            return self.own.function(train, prefix, jit_compile=bool(self.config.compile), batches=batches)
         evaluate = evaluate or module.validation_step
         keep_outputs = bool(self._stateful_metrics(prefix))  # their update runs on the host (stateful.py)
 
@@ -318,13 +319,26 @@ class KerasEngine(KerasEvaluation, Engine):
                 optimizer.apply_gradients(zip(grads, variables))  # float16: unscaled, skipped on inf/NaN
             return sums
 
-        def step(batch_or_iterator: Any) -> dict[str, Any]:
+        def one_batch(batch_or_iterator: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+            """This worker's sums (and sample count), and the outputs kept for stateful metrics."""
             # training passes the iterator and dequeues inside the graph, as Keras' own fit does
             batch = next(batch_or_iterator) if train else batch_or_iterator
             per_replica = self.dist.run(replica_step, args=batch)
             local = {k: self.dist.experimental_local_results(v) for k, v in per_replica.items()}
             outputs = {k: tf.concat(local.pop(k), axis=0) for k in ("_y", "_y_pred") if k in local}  # replica order
-            sums = {k: tf.add_n(v) for k, v in local.items()}
+            return {k: tf.add_n(v) for k, v in local.items()}, outputs
+
+        def step(batch_or_iterator: Any) -> dict[str, Any]:
+            sums, outputs = one_batch(batch_or_iterator)
+            if batches > 1:  # steps_per_execution: the call's other batches in a graph loop, as Keras' fit runs them
+                kept = {
+                    k: tf.TensorArray(v.dtype, size=batches, infer_shape=False).write(0, v) for k, v in outputs.items()
+                }
+                for i in tf.range(1, batches):
+                    more, more_outputs = one_batch(batch_or_iterator)
+                    sums = {k: sums[k] + more[k] for k in sums}  # the call's sums: its means weigh every sample once
+                    kept = {k: kept[k].write(i, more_outputs[k]) for k in kept}
+                outputs = {k: array.concat() for k, array in kept.items()}
             count = tf.maximum(sums.pop("_count"), 1.0)
             return {**{k: v / count for k, v in sums.items()}, **outputs}  # this worker's sample means
 
@@ -415,9 +429,7 @@ class KerasEngine(KerasEvaluation, Engine):
             self.own.reset_metrics()
         if self.training.per_worker_stream:  # one stream per worker for the whole fit: steps dequeue from it
             self._train_iter = self._train_iter or self._stream()
-            for _ in range(skip, self._batches):
-                self.collector.batch_count = self.local_batch
-                yield self._train_iter
+            yield from self._calls([self.local_batch] * (self._batches - skip), self._train_iter)
             return
         if self.train_lazy is not None:
             yield from self._lazy_train_batches(epoch, skip)
@@ -429,9 +441,21 @@ class KerasEngine(KerasEvaluation, Engine):
         # a mid-epoch resume starts after the samples of the first `skip` steps (never loaded)
         mine = mine[sum(self._train_sizes[:skip]) :]
         iterator = iter(self._dataset(self.train_arrays, mine, self._train_sizes[skip:], training=True))
-        for i in range(skip, self._batches):  # the same count on every worker
-            self.collector.batch_count = self._train_sizes[i]
-            yield iterator  # train_step dequeues the batch inside its compiled step
+        yield from self._calls(self._train_sizes[skip : self._batches], iterator)
+
+    def _calls(self, sizes: list[int], iterator: Any) -> Iterator[Any]:
+        """The iterator once per training call (train_step dequeues its batches inside the compiled call): each
+        call `steps_per_execution` batches of `sizes`, fewer at the epoch's end and where max_steps stops it; the
+        same calls on every worker."""
+        done, max_steps = 0, self.config.max_steps
+        while done < len(sizes):
+            batches = min(self.steps_per_execution, len(sizes) - done)
+            if max_steps is not None:
+                batches = max(1, min(batches, max_steps - self._steps))
+            self.batches_in_step = batches
+            self.collector.batch_count = sum(sizes[done : done + batches])
+            yield iterator
+            done += batches
 
     def _lazy_train_batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """One iterator over the endlessly repeated part serves every epoch (each epoch one pass of the
@@ -445,19 +469,24 @@ class KerasEngine(KerasEvaluation, Engine):
             dataset = self._lazy_batches(self.train_lazy, sizes, repeat=True, skip=done + sum(sizes[:skip]))
             self._train_iter = iter(dataset)
         self._train_next = None  # an epoch left half-way is not continued
-        for i in range(skip, self._batches):  # the same count on every worker
-            self.collector.batch_count = sizes[i]
-            yield self._train_iter
+        yield from self._calls(sizes[skip:], self._train_iter)
         self._train_next = (epoch + 1, 0)
 
+    def _train_fn(self, batches: int) -> Any:
+        """The compiled training call that runs `batches` batches."""
+        if batches not in self._train_fns:
+            self._train_fns[batches] = tf.function(self._distributed_step(train=True, batches=batches))
+        return self._train_fns[batches]
+
     def train_step(self, batch: Any, batch_idx: int) -> Any:
+        batches = self.batches_in_step
         with self.strategy.collective_guard("training step"):  # a constant: no per-step formatting
             means = (
-                self.training.run_step(self._train_fn, batch)
+                self.training.run_step(self._train_fn(batches), batch)
                 if not self._untried
-                else self._first_call(self._train_fn, batch, "training")
+                else self._first_call(self._train_fn(batches), batch, "training")
             )
-        self._steps += 1
+        self._steps += batches
         self._collect("train/", means)
         self.collector.count_samples(self.collector.batch_count)
         return means.get("train/loss", next(iter(means.values()), 0.0))  # a GAN's step has d_loss, g_loss

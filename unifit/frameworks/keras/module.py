@@ -40,6 +40,8 @@ class KerasModule(ModuleBase):
         self.model: Any = None
 
     own_step = False  # True: a keras.Model trained by its own train_step / test_step (frameworks/keras/own_step.py)
+    # training batches run in one compiled call (Keras' compile(steps_per_execution=...)): fewer calls from Python
+    steps_per_execution = 1
 
     # set by the engine while fit trains: what Keras callbacks reach through model.optimizer
     trained_optimizer: Any = None  # the optimizer the step uses (the compiled one's twin, with unifit's lr schedule)

@@ -130,9 +130,10 @@ class OwnStep:
 
         return replica_step
 
-    def function(self, train: bool, prefix: str, jit_compile: bool) -> Any:
+    def function(self, train: bool, prefix: str, jit_compile: bool, batches: int = 1) -> Any:
         """step(iterator or batch) -> this worker's values by `prefix` + name (the mean over its replicas, as
-        Keras' reduction 'auto'). trainer.compile: the per-replica step is compiled by XLA, as Keras' jit_compile."""
+        Keras' reduction 'auto'); training runs `batches` batches of the iterator per call. trainer.compile: the
+        per-replica step is compiled by XLA, as Keras' jit_compile."""
         dist, replica_step = self.dist, self._replica_step(train)
 
         def on_batch(batch: Any) -> dict[str, Any]:
@@ -147,7 +148,11 @@ class OwnStep:
         on_batch = tf.function(on_batch, reduce_retracing=True, jit_compile=jit_compile)
 
         def step(batch_or_iterator: Any) -> dict[str, Any]:
-            return on_batch(next(batch_or_iterator) if train else batch_or_iterator)
+            values = on_batch(next(batch_or_iterator) if train else batch_or_iterator)
+            if batches > 1:  # steps_per_execution: the values after the call's last batch, as Keras' fit returns
+                for _ in tf.range(batches - 1):
+                    values = on_batch(next(batch_or_iterator))
+            return values
 
         return step
 
