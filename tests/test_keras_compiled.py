@@ -344,3 +344,14 @@ def test_a_subclassed_model_built_at_its_first_call_trains_as_model_fit(tmp_path
     theirs.fit(*arrays(N_TRAIN, seed=1), batch_size=N_TRAIN, epochs=EPOCHS, shuffle=False, verbose=0)
     assert len(ours.get_weights()) == 4
     _close(ours.get_weights(), theirs.get_weights())
+
+
+def test_activation_checkpointing_points_a_keras_model_at_remat_scope(tmp_path):
+    import unifit
+    from unifit.errors import ConfigError
+
+    model = _sequential()
+    model.compile(optimizer="sgd", loss="mse")
+    trainer = unifit.Trainer(max_epochs=1, activation_checkpointing="full", root_dir=str(tmp_path), progress_bar=False)
+    with pytest.raises(ConfigError, match=r"activation_checkpointing: full recomputes a PyTorch .*RematScope"):
+        trainer.fit(model, data=arrays(N_TRAIN, seed=1))

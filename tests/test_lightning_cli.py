@@ -156,3 +156,15 @@ def test_model_parallel_strategy_of_a_lightning_cli_file_maps_to_model_parallel(
     result = cli("print-config", "-c", str(path))
     assert_ok(result)
     assert "tensor_parallel: auto" in result.stdout and "data_parallel: auto" in result.stdout, result.stdout
+    # Lightning's FSDPStrategy(activation_checkpointing_policy={Block}): fsdp, those blocks checkpointed in full
+    fsdp = "{class_path: lightning.pytorch.strategies.FSDPStrategy, init_args: {%s}}"
+    policy = "activation_checkpointing_policy: [tests.probe.tiny_gpt.Block]"
+    path.write_text(
+        f"model: {{class_path: tests.probe.tiny_gpt_lightning.LightningTP}}\ntrainer: {{strategy: {fsdp % policy}}}\n"
+    )
+    result = cli("print-config", "-c", str(path))
+    assert_ok(result)
+    assert "strategy: fsdp" in result.stdout, result.stdout
+    assert (
+        "activation_checkpointing:\n    mode: full\n    every_n_blocks: 1\n    blocks:\n    - Block" in result.stdout
+    ), result.stdout

@@ -81,10 +81,16 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     # 17 validation sequences: one replica takes 2 batches, the other 1; a rank's extra forward must not gather alone
     uneven = ("--module.init_args.n_val", "17")
     ddp, tp = tmp_path / "ddp", tmp_path / "tp2xdp2"
+    # tp2xdp2 recomputes its blocks' activations (selective, after the split, before fsdp) and still equals ddp;
+    # its checkpoint resumes without it, and on fsdp with full activation checkpointing
+    selective = ("--trainer.activation_checkpointing", "selective")
     _, out = _run_together(
         _args(ddp, "ddp", 2, *uneven),
-        _args(tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, *TORCHMETRICS_VAL, options=LAYOUT),
+        _args(
+            tp, "model-parallel", 4, "--trainer.max_epochs", "2", *uneven, *TORCHMETRICS_VAL, *selective, options=LAYOUT
+        ),
     )
+    assert "activation checkpointing: selective, on net.blocks.0, net.blocks.1" in out.stderr, out.stderr
     assert "4 rank(s) = 2 data-parallel x 2 tensor-parallel" in out.stderr, out.stderr
     assert "14 layer(s) split over 2 ranks" in out.stderr, out.stderr
     assert "global batch 32" in out.stdout + out.stderr  # 2 replicas x 8 x 2 accumulated, as ddp's 2 ranks
@@ -104,9 +110,11 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     out = tmp_path / "split.pkl"
     args = ["launch", "--run", "predict", "--nproc-per-node", "2", "-c", str(YAML), "--trainer.strategy"]
     args += ["model-parallel", "--trainer.root_dir", str(tmp_path / "split"), "--ckpt-path", ckpt, "--output", str(out)]
-    _run_together(
-        _args(on_fsdp, "fsdp", 2, *uneven, ckpt=ckpt), [*args, "--trainer.strategy_options", json.dumps(LAYOUT)]
+    full = ("--trainer.activation_checkpointing", "full")
+    fsdp_out, _ = _run_together(
+        _args(on_fsdp, "fsdp", 2, *uneven, *full, ckpt=ckpt), [*args, "--trainer.strategy_options", json.dumps(LAYOUT)]
     )
+    assert "activation checkpointing: full, on net.blocks.0, net.blocks.1" in fsdp_out.stderr, fsdp_out.stderr
     assert torch.equal(pickle.loads(out.read_bytes()), _predicted_whole(_weights(tp))), "not one process's predictions"
     reference = _weights(ddp)
     for root in (resumed, on_fsdp):

@@ -80,3 +80,17 @@ def test_fsdp2_and_pipelining_internals_are_where_unifit_reaches_them():
     assert "_post_metadata_inference_cleanup" in stage_source
     assert compat.RECEIVED_ACTIVATIONS_NEED_GRAD == (torch.__version__ < "2.13")
     assert not compat.TORCH < "2.4"  # a version comparison, not a string one ("2.13" < "2.4" as strings)
+
+
+def test_a_checkpoint_wrapped_block_keeps_its_names_in_the_state_dict():
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    model = torch.nn.Sequential(block, torch.nn.Linear(4, 1))
+    keys = list(model.state_dict())
+    model[0] = compat.checkpoint_wrapped(block, None)
+    assert compat.is_checkpoint_wrapped(model[0]) and compat.inner_module(model[0]) is block
+    assert list(model.state_dict()) == keys
+    (name, _), *_ = model.named_parameters()
+    assert name != "0.0.weight" and compat.unwrapped_name(name) == "0.0.weight"
+    x = torch.randn(3, 4)
+    model(x).sum().backward()  # runs through torch.utils.checkpoint
+    assert block[0].weight.grad is not None

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from unifit.config.schema import (
+    ActivationCheckpointingConfig,
     CheckpointConfig,
     CSVLoggerConfig,
     EarlyStoppingConfig,
@@ -36,6 +37,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("trainer.tensorboard", TensorBoardConfig),
     ("trainer.early_stopping", EarlyStoppingConfig),
     ("trainer.nan_guard", NanGuardConfig),
+    ("trainer.activation_checkpointing", ActivationCheckpointingConfig),
     ("trainer.preemption", PreemptionConfig),
     ("trainer.loggers: {name: csv}", CSVLoggerConfig),
     ("trainer.loggers: {name: mlflow}", MLflowLoggerConfig),

@@ -290,8 +290,16 @@ def _section(section: str, name: str, convert: Callable[[Any], Any] = lambda v: 
 
 
 def _strategy_into(value: Any, out: dict[str, Any]) -> None:
-    """Lightning's strategy; a ModelParallelStrategy's sizes become model-parallel's options."""
+    """Lightning's strategy; a ModelParallelStrategy's sizes become model-parallel's options, an FSDPStrategy's
+    activation_checkpointing_policy (block classes) trainer.activation_checkpointing."""
     name = value.get("class_path", "").rsplit(".", 1)[-1] if isinstance(value, dict) else str(value)
+    if name == "FSDPStrategy" and isinstance(value, dict) and value.get("init_args"):
+        args = dict(value["init_args"])
+        policy = args.pop("activation_checkpointing_policy", None) or args.pop("activation_checkpointing", None)
+        if policy:
+            classes = [str(c).rsplit(".", 1)[-1] for c in (policy if isinstance(policy, (list, tuple)) else [policy])]
+            out["activation_checkpointing"] = {"mode": "full", "blocks": classes}
+        value = {**value, "init_args": args}
     if name != "ModelParallelStrategy":
         out["strategy"] = _strategy(value)
         return

@@ -214,6 +214,27 @@ class PreemptionConfig(_Strict):
     checkpoint: bool = Field(True, description="Commit a checkpoint before exiting (needs checkpoint.enabled).")
 
 
+class ActivationCheckpointingConfig(_Strict):
+    """Each block's activations recomputed in backward instead of kept from forward: less memory for more compute
+    (PyTorch modules; torchtitan's full and selective modes). `activation_checkpointing: full` is short for
+    {mode: full}."""
+
+    mode: Literal["none", "full", "selective"] = Field(
+        "none",
+        description="full: a block keeps only its input and recomputes the rest in backward; selective: it also "
+        "keeps its matrix products and attention outputs (the costly ops), recomputing the cheap ones.",
+    )
+    every_n_blocks: PositiveInt = Field(
+        1,
+        description="Only every n-th block (the n-th, 2n-th, ...) is checkpointed; the others keep their activations.",
+    )
+    blocks: list[str] | None = Field(
+        None,
+        description="Class names of the blocks (e.g. [GPT2Block]); default: the items of the model's ModuleLists "
+        "and Sequentials of layers (its repeated blocks).",
+    )
+
+
 class NanGuardConfig(_Strict):
     """Stop all ranks together when the loss is NaN or infinite, keeping the last good checkpoint."""
 
@@ -338,6 +359,10 @@ class TrainerConfig(_Strict):
     compile: bool = Field(
         False, description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules."
     )
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="See ActivationCheckpointingConfig: none, full or selective, e.g. `activation_checkpointing: full`.",
+    )
     accumulate_grad_batches: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
     accumulation_schedule: dict[NonNegativeInt, PositiveInt] | None = Field(
         None,
@@ -450,6 +475,12 @@ class TrainerConfig(_Strict):
                 "or 16-mixed (float16 with loss scaling)"
             )
         return value
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_mode(cls, value: Any) -> Any:
+        """`activation_checkpointing: full` for {mode: full}."""
+        return {"mode": value} if isinstance(value, str) else value
 
     @field_validator("max_time", mode="before")
     @classmethod

@@ -237,8 +237,16 @@ class FSDPStrategy(DDPStrategy):
         wanted = self.options.wrap
         if wanted is None:
             return list(_children_with_parameters(model))
-        found = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
-        missing = sorted(set(wanted) - {type(m).__name__ for m in found})
+        from unifit.strategies.torch_compat import inner_module, is_checkpoint_wrapped
+
+        # a checkpointed block is sharded as its wrapper (torchtitan's order: the wrapper's forward recomputes it)
+        inside = {id(inner_module(m)) for m in model.modules() if is_checkpoint_wrapped(m)}
+        found = [
+            m
+            for m in model.modules()
+            if type(inner_module(m)).__name__ in wanted and m is not model and id(m) not in inside
+        ]
+        missing = sorted(set(wanted) - {type(inner_module(m)).__name__ for m in found})
         if missing:
             classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
             raise ConfigError(
@@ -431,11 +439,14 @@ def _refuse_float16(precision: Precision) -> None:
 
 
 def follow_shards(optimizer: Any, before: dict[int, str], step_module: Any) -> None:
-    """The optimizer was built on the unsharded parameters (`before`: id -> name): it takes the shards."""
-    sharded = dict(step_module.named_parameters())
+    """The optimizer was built on the unsharded parameters (`before`: id -> name): it takes the shards (named
+    as before: a block checkpointed since holds them under the checkpoint wrapper)."""
+    from unifit.strategies.torch_compat import unwrapped_name
+
+    sharded = {unwrapped_name(name): p for name, p in step_module.named_parameters()}
     for group in optimizer.param_groups:
         try:
-            group["params"][:] = [sharded[before[id(p)]] for p in group["params"]]
+            group["params"][:] = [sharded[unwrapped_name(before[id(p)])] for p in group["params"]]
         except KeyError:
             raise ConfigError(
                 "configure_optimizers(): the optimizer holds a tensor that is not a parameter of "
@@ -498,8 +509,10 @@ def _tensors(output: Any) -> Iterator[Any]:
 
 
 def _unit_name(unit: Any) -> str:
+    from unifit.strategies.torch_compat import inner_module
+
     modules = unit if isinstance(unit, list) else [unit]
-    return "+".join(type(m).__name__.removeprefix("FSDP") for m in modules)
+    return "+".join(type(inner_module(m)).__name__.removeprefix("FSDP") for m in modules)
 
 
 class _UnfreezingGroups:

@@ -38,6 +38,10 @@ __all__ = [
     "wrap_stage_initialisation",
     "free_inference_metadata",
     "replace_inference_cleanup",
+    "checkpoint_wrapped",
+    "is_checkpoint_wrapped",
+    "unwrapped_name",
+    "inner_module",
 ]
 
 TORCH = torch.__version__  # a TorchVersion: compares as a version, TORCH < "2.13" (not as a string)
@@ -160,3 +164,33 @@ def free_inference_metadata(stage: Any) -> None:
 
 def replace_inference_cleanup(stage: Any, cleanup: Callable[[], None]) -> None:
     stage._post_metadata_inference_cleanup = cleanup
+
+
+def checkpoint_wrapped(module: torch.nn.Module, context_fn: Callable[[], Any] | None) -> torch.nn.Module:
+    """`module` whose forward runs under torch.utils.checkpoint (non-reentrant), with `context_fn` (a selective
+    policy). torch's wrapper, as torchtitan and Lightning use it: its state_dict hooks keep the module's own keys
+    (no `_checkpoint_wrapped_module.` in a checkpoint), and FSDP2's and DCP's state dicts read through it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs: dict[str, Any] = {"preserve_rng_state": True}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    return checkpoint_wrapper(module, **kwargs)
+
+
+def is_checkpoint_wrapped(module: torch.nn.Module) -> bool:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return isinstance(module, CheckpointWrapper)
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's or module's name as without checkpoint wrappers (their `_checkpoint_wrapped_module.`)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
+def inner_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a checkpoint wrapper holds (the module itself when not wrapped)."""
+    return getattr(module, "_checkpoint_wrapped_module", module) if is_checkpoint_wrapped(module) else module

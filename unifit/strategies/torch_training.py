@@ -16,8 +16,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 from unifit.strategies import sharded_state
+from unifit.strategies.activation_checkpointing import checkpoint_blocks
 
 if TYPE_CHECKING:
+    from unifit.config.schema import ActivationCheckpointingConfig
     from unifit.strategies.torch_precision import Precision
 
 _PLAIN = contextlib.nullcontext()
@@ -69,6 +71,11 @@ class TorchTraining:
         self._late_key, self._late = (), []
         wrapped = self.wrap_module(step_module, device)
         return wrapped, self.wrap_optimizer(optimizer, step_module.module, accumulate)
+
+    def checkpoint_activations(self, model: Any, config: ActivationCheckpointingConfig) -> list[str]:
+        """trainer.activation_checkpointing on `model`'s blocks, before the model is wrapped or sharded (a strategy
+        that splits the blocks first applies it itself, after the split); the blocks checkpointed."""
+        return checkpoint_blocks(model, config)
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         """Wrap the model for gradient synchronisation (identity by default)."""

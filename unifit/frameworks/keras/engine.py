@@ -96,6 +96,12 @@ class KerasEngine(KerasEvaluation, Engine):
                 "trainer.accumulate_grad_batches: Keras modules train with 1 and no accumulation_schedule (gradient accumulation "
                 "is implemented for PyTorch modules only); raise batch_size instead"
             )
+        if cfg.activation_checkpointing.mode != "none":
+            raise ConfigError(
+                f"trainer.activation_checkpointing: {cfg.activation_checkpointing.mode} recomputes a PyTorch module's "
+                "blocks; a Keras model recomputes its layers when built inside keras.RematScope(mode='full'): set "
+                "activation_checkpointing: none"
+            )
         if cfg.data_on_device is True:
             raise ConfigError(
                 "trainer.data_on_device: true places a PyTorch module's in-memory tensors on its GPU; a Keras module's "

@@ -27,6 +27,7 @@ from unifit.frameworks.torch.module import restore_modes, training_modes
 from unifit.frameworks.torch.optimizers import parse_optimizers, scale_lrs
 from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _has_gradients, _loss_of
 from unifit.strategies import sharded_state
+from unifit.strategies.activation_checkpointing import log_checkpointed
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_precision import Precision, make_precision
 from unifit.strategies.torch_training import TorchTraining
@@ -114,6 +115,9 @@ class TorchEngine(TorchEvaluation, Engine):
         self._steps = 0
         training = self.training
         step_module = _StepModule(self.module)
+        checkpointed = training.checkpoint_activations(self.module.state_module, cfg.activation_checkpointing)
+        if strategy.is_global_zero:
+            log_checkpointed(cfg.activation_checkpointing, checkpointed)
         if manual:
             self.wrapped, self.optimizers = training.setup_manual(
                 step_module, self.optimizers, self.device, self.precision
