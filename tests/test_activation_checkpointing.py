@@ -2,7 +2,7 @@
 configuration with dropout everywhere), in one process: full and selective train to the weights of none (within
 1e-6: dropout draws the same in the recompute), keep fewer bytes for backward (torch's profiler's net allocation of
 a training forward of the trained model), wrap every n-th block only when asked, leave the state_dict's keys alone; bad input is
-one line; selective under trainer.compile trains as compiled none. Under tensor parallel x fsdp and fsdp (against ddp without it, a checkpoint taken with it resumed without
+one line; compiled per block, or whole with selective checkpointing, it trains as eager. Under tensor parallel x fsdp and fsdp (against ddp without it, a checkpoint taken with it resumed without
 it): tests/test_model_parallel.py's first test."""
 
 from __future__ import annotations
@@ -128,26 +128,40 @@ def test_bad_input_is_one_line_before_training(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_selective_under_torch_compile_trains_as_compiled_none(tmp_path):
-    """trainer.compile compiles the step with the checkpointed blocks in it (torch.compile traces the selective
-    policy); its dropout is the compiled RNG's, so the reference is the compiled run without checkpointing."""
+def test_compiling_per_block_compiles_one_graph_for_identical_blocks_and_trains_as_eager(tmp_path, caplog):
+    """trainer.compile: blocks (regional compilation): each GPT-2 block's forward compiled on its own, the 4 blocks
+    share one graph; and compile: true with selective checkpointing. Without dropout (compiled code draws other
+    masks), both train as eager."""
+    caplog.set_level("INFO", logger="unifit")
 
-    def compiled(mode):
+    def fit(name, **options):
         module = GPT2()
+        module.model.config.resid_pdrop = module.model.config.embd_pdrop = module.model.config.attn_pdrop = 0.0
+        for layer in module.model.modules():
+            if isinstance(layer, torch.nn.Dropout):
+                layer.p = 0.0
         unifit.Trainer(
-            max_epochs=1,
+            max_epochs=2,
             batch_size=8,
             limit_train_batches=2,
             seed=0,
             progress_bar=False,
             tensorboard={"enabled": False},
             checkpoint={"enabled": False},
-            root_dir=str(tmp_path / mode),
-            activation_checkpointing=mode,
-            compile=True,
+            root_dir=str(tmp_path / name),
+            **options,
         ).fit(module)
         return module.state_dict()
 
-    plain, selective = compiled("none"), compiled("selective")
-    for key in plain:
-        torch.testing.assert_close(selective[key], plain[key], atol=1e-6, rtol=0, msg=key)
+    eager = fit("eager")
+    compiled = fit("blocks", compile="blocks")
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], atol=1e-5, rtol=0, msg=key)
+    assert "compile: blocks: 4 block(s) compiled one by one (model.transformer.h.0," in caplog.text
+    assert "compile: blocks: 1 graph(s) compiled in this fit" in caplog.text, caplog.text
+    assert "recompiled" not in caplog.text
+    # the whole step compiled with its blocks checkpointed (torch.compile traces the selective policy); blocks
+    # compiled with checkpointing: tests/test_model_parallel.py's fsdp run
+    compiled = fit("step+selective", compile=True, activation_checkpointing="selective")
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], atol=1e-5, rtol=0, msg=f"step+selective {key}")

@@ -346,7 +346,7 @@ def test_a_subclassed_model_built_at_its_first_call_trains_as_model_fit(tmp_path
     _close(ours.get_weights(), theirs.get_weights())
 
 
-def test_activation_checkpointing_points_a_keras_model_at_remat_scope(tmp_path):
+def test_activation_checkpointing_and_compiling_per_block_point_a_keras_model_elsewhere(tmp_path):
     import unifit
     from unifit.errors import ConfigError
 
@@ -354,4 +354,7 @@ def test_activation_checkpointing_points_a_keras_model_at_remat_scope(tmp_path):
     model.compile(optimizer="sgd", loss="mse")
     trainer = unifit.Trainer(max_epochs=1, activation_checkpointing="full", root_dir=str(tmp_path), progress_bar=False)
     with pytest.raises(ConfigError, match=r"activation_checkpointing: full recomputes a PyTorch .*RematScope"):
+        trainer.fit(model, data=arrays(N_TRAIN, seed=1))
+    trainer = unifit.Trainer(max_epochs=1, compile="blocks", root_dir=str(tmp_path), progress_bar=False)
+    with pytest.raises(ConfigError, match=r"compile: blocks compiles a PyTorch model's blocks .*set compile: true"):
         trainer.fit(model, data=arrays(N_TRAIN, seed=1))

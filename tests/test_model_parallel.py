@@ -82,7 +82,7 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     uneven = ("--module.init_args.n_val", "17")
     ddp, tp = tmp_path / "ddp", tmp_path / "tp2xdp2"
     # tp2xdp2 recomputes its blocks' activations (selective, after the split, before fsdp) and still equals ddp;
-    # its checkpoint resumes without it, and on fsdp with full activation checkpointing
+    # its checkpoint resumes without it, and on fsdp with full activation checkpointing and compiled blocks
     selective = ("--trainer.activation_checkpointing", "selective")
     _, out = _run_together(
         _args(ddp, "ddp", 2, *uneven),
@@ -110,11 +110,13 @@ def test_tensor_x_data_parallel_plan_matches_ddp_and_its_checkpoint_resumes_on_o
     out = tmp_path / "split.pkl"
     args = ["launch", "--run", "predict", "--nproc-per-node", "2", "-c", str(YAML), "--trainer.strategy"]
     args += ["model-parallel", "--trainer.root_dir", str(tmp_path / "split"), "--ckpt-path", ckpt, "--output", str(out)]
-    full = ("--trainer.activation_checkpointing", "full")
+    full = ("--trainer.activation_checkpointing", "full", "--trainer.compile", "blocks")
     fsdp_out, _ = _run_together(
         _args(on_fsdp, "fsdp", 2, *uneven, *full, ckpt=ckpt), [*args, "--trainer.strategy_options", json.dumps(LAYOUT)]
     )
     assert "activation checkpointing: full, on net.blocks.0, net.blocks.1" in fsdp_out.stderr, fsdp_out.stderr
+    assert "compile: blocks: 2 block(s) compiled one by one (net.blocks.0, net.blocks.1)" in fsdp_out.stderr
+    assert "compile: blocks: 1 graph(s) compiled in this fit" in fsdp_out.stderr, fsdp_out.stderr
     assert torch.equal(pickle.loads(out.read_bytes()), _predicted_whole(_weights(tp))), "not one process's predictions"
     reference = _weights(ddp)
     for root in (resumed, on_fsdp):

@@ -94,3 +94,10 @@ def test_a_checkpoint_wrapped_block_keeps_its_names_in_the_state_dict():
     x = torch.randn(3, 4)
     model(x).sum().backward()  # runs through torch.utils.checkpoint
     assert block[0].weight.grad is not None
+
+
+def test_the_count_of_compiled_graphs_grows_with_a_compile():
+    before = compat.compiled_graphs()
+    double = torch.compile(lambda x: x * 2 + 1)
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 3.0))
+    assert compat.compiled_graphs() == before + 1

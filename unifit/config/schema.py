@@ -356,8 +356,11 @@ class TrainerConfig(_Strict):
         "32-true",
         description="Numerics of the step (Lightning's names; its 32, 16 and bf16 are taken too): 32-true, bf16-mixed (autocast / Keras mixed_bfloat16), 16-mixed (float16 with dynamic loss scaling).",
     )
-    compile: bool = Field(
-        False, description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules."
+    compile: bool | Literal["blocks"] = Field(
+        False,
+        description="Compile the step: torch.compile for PyTorch modules, XLA (jit_compile) for Keras modules "
+        "(true, or 'step'); 'blocks': each of a PyTorch model's blocks compiled on its own (the blocks of "
+        "activation_checkpointing), the form that composes with fsdp and activation checkpointing.",
     )
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig,
@@ -475,6 +478,12 @@ class TrainerConfig(_Strict):
                 "or 16-mixed (float16 with loss scaling)"
             )
         return value
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_step(cls, value: Any) -> Any:
+        """`compile: step` for true."""
+        return True if value == "step" else value
 
     @field_validator("activation_checkpointing", mode="before")
     @classmethod

@@ -7,96 +7,41 @@ keeping them from forward (torchtitan's full and selective activation checkpoint
   fraction of the extra compute (torchtitan's per-op policy);
 - every_n_blocks: only every n-th block (torchtitan's layer-selective mode).
 
-The blocks are the classes named in `blocks`, or else the model's repeated blocks: the items of its ModuleLists and
-Sequentials that hold parameters (the outermost such lists: a transformer's layers, not the Linears inside them).
-Each is wrapped by torch's checkpoint wrapper (torch_compat), which keeps the module's own state_dict keys, so a
-checkpoint resumes with or without activation checkpointing. It runs after tensor parallel has split the blocks and
-before data parallel wraps or shards them, torchtitan's order; dropout draws the same in the recompute (the RNG
-state is kept), so the gradients equal those without it.
+The blocks are blocks.py's: the classes named in `blocks`, or else the model's repeated blocks. Each is wrapped by
+torch's checkpoint wrapper (torch_compat), which keeps the module's own state_dict keys, so a checkpoint resumes with or without activation checkpointing. It runs after tensor parallel has split the blocks and
+before data parallel wraps or shards them, torchtitan's order (block_functions.py); dropout draws the same in the
+recompute (the RNG state is kept), so the gradients equal those without it.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
-from unifit.errors import ConfigError
+from unifit.strategies.blocks import model_blocks
 
 if TYPE_CHECKING:
     from unifit.config.schema import ActivationCheckpointingConfig
 
-log = logging.getLogger("unifit")
-_CONTAINERS = ("ModuleList", "Sequential")
 
-
-def log_checkpointed(config: ActivationCheckpointingConfig, wrapped: list[str]) -> None:
-    """One line (rank 0's caller): which blocks are checkpointed, how."""
-    if wrapped:
-        shown = ", ".join(wrapped[:4]) + (f", ... ({len(wrapped)} in all)" if len(wrapped) > 4 else "")
-        log.info("activation checkpointing: %s, on %s", config.mode, shown)
-
-
-def checkpoint_blocks(model: Any, config: ActivationCheckpointingConfig) -> list[str]:
-    """Wrap `model`'s blocks as `config` says (once: blocks already wrapped are left); the names wrapped."""
+def checkpoint_blocks(model: Any, config: ActivationCheckpointingConfig) -> str | None:
+    """Wrap `model`'s blocks as `config` says; a line saying which (None: nothing to do, or done already)."""
     if config.mode == "none":
-        return []
+        return None
     from unifit.strategies.torch_compat import checkpoint_wrapped, is_checkpoint_wrapped
 
     if any(is_checkpoint_wrapped(m) for m in model.modules()):
-        return []
-    blocks = _named_blocks(model, config.blocks) if config.blocks else list(_repeated_blocks(model))
-    if not blocks:
-        classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
-        raise ConfigError(
-            f"trainer.activation_checkpointing: {type(model).__name__} has no ModuleList or Sequential of layers "
-            f"to take as its blocks; name the block class: activation_checkpointing: {{mode: {config.mode}, "
-            f"blocks: [...]}} (its submodule classes: {', '.join(classes[:12])})"
-        )
-    _without_kv_cache(model)
+        return None
+    field = "trainer.activation_checkpointing" + (".blocks" if config.blocks else "")
+    blocks = model_blocks(model, config.blocks, field)
     context = _selective_context if config.mode == "selective" else None
     chosen = blocks[config.every_n_blocks - 1 :: config.every_n_blocks]
     for name, _ in chosen:
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         parent.register_module(attribute, checkpoint_wrapped(getattr(parent, attribute), context))
-    return [name for name, _ in chosen]
-
-
-def _without_kv_cache(model: Any) -> None:
-    """A Hugging Face model fills a key/value cache in its training forward (config.use_cache), which a block's
-    recompute would fill again: its cache is turned off for the forward's calls, as transformers' own gradient
-    checkpointing does (generate() asks for the cache itself)."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            config.use_cache = False
-            log.info("activation checkpointing: %s.config.use_cache set to False", type(module).__name__)
-
-
-def _named_blocks(model: Any, classes: list[str]) -> list[tuple[str, Any]]:
-    """The outermost submodules of the named classes, in order."""
-    found = [(name, m) for name, m in model.named_modules() if type(m).__name__ in classes and m is not model]
-    missing = sorted(set(classes) - {type(m).__name__ for _, m in found})
-    if missing:
-        known = sorted({type(m).__name__ for m in model.modules() if m is not model})
-        raise ConfigError(
-            f"trainer.activation_checkpointing.blocks: {', '.join(missing)} names no submodule of "
-            f"{type(model).__name__}; its submodule classes are: {', '.join(known)}"
-        )
-    return [(name, m) for name, m in found if not any(name.startswith(f"{other}.") for other, _ in found)]
-
-
-def _repeated_blocks(module: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """The items with parameters of the outermost ModuleLists and Sequentials, by name."""
-    for name, child in module.named_children():
-        full = f"{prefix}{name}"
-        if type(child).__name__ in _CONTAINERS and any(True for _ in child.parameters()):
-            for item, block in child.named_children():
-                if any(True for _ in block.parameters()):
-                    yield f"{full}.{item}", block
-        else:
-            yield from _repeated_blocks(child, f"{full}.")
+    shown = ", ".join(name for name, _ in chosen[:4]) + (f", ... ({len(chosen)} in all)" if len(chosen) > 4 else "")
+    return f"activation checkpointing: {config.mode}, on {shown}"
 
 
 @functools.cache

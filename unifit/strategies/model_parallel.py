@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, ContextManager, Literal
 from pydantic import Field, PositiveInt, model_validator
 
 from unifit.errors import ConfigError
-from unifit.strategies.activation_checkpointing import checkpoint_blocks, log_checkpointed
+from unifit.strategies.block_functions import applies_to_blocks, prepare_blocks
 from unifit.strategies.fsdp import FSDPOptions, FSDPStrategy
 from unifit.strategies.pipeline_training import PipelineTraining
 from unifit.strategies.sequence_parallel import SEQUENCE_DIM, gathers_sequence, on_sequence_shards, refuses_mixed
 from unifit.strategies.torch_device import torch_device
 
 if TYPE_CHECKING:
-    from unifit.config.schema import ActivationCheckpointingConfig
+    from unifit.config.schema import TrainerConfig
 
 log = logging.getLogger("unifit")
 
@@ -145,7 +145,7 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
 
     name = "model-parallel"
     Options = ModelParallelOptions
-    _checkpointing: ActivationCheckpointingConfig | None = None  # applied in wrap_module, after the split
+    _block_config: TrainerConfig | None = None  # what applies to the blocks, in wrap_module after the split
 
     @property
     def tensor_parallel(self) -> int:
@@ -238,22 +238,23 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
         """FSDP2 shards over the data-parallel dimension."""
         return self.device_mesh["data_parallel"]
 
-    def checkpoint_activations(self, model: Any, config: ActivationCheckpointingConfig) -> list[str]:
-        """Kept for wrap_module: the blocks are checkpointed after the tensor-parallel split (its plan names their
-        layers by path, which the checkpoint wrapper would change), before they are sharded."""
-        if config.mode != "none" and self.pipeline_parallel > 1:
+    def prepare_blocks(self, model: Any, config: TrainerConfig) -> list[str]:
+        """Kept for wrap_module: the blocks are checkpointed and compiled after the tensor-parallel split (its plan
+        names their layers by path, which the checkpoint wrapper would change), before they are sharded."""
+        if applies_to_blocks(config) and self.pipeline_parallel > 1:
             raise ConfigError(
-                f"trainer.activation_checkpointing: {config.mode} is not run under pipeline_parallel yet (the stages "
-                "are cut from the same blocks); use it with tensor_parallel and fsdp, or set it to none"
+                "trainer.activation_checkpointing / trainer.compile: blocks are not run under pipeline_parallel yet "
+                "(the stages are cut from the same blocks); use them with tensor_parallel and fsdp, or turn them off"
             )
-        self._checkpointing = config
+        self._block_config = config
         return []
 
-    def _checkpoint_blocks(self, model: Any) -> None:
-        if self._checkpointing is not None:
-            wrapped = checkpoint_blocks(model, self._checkpointing)
-            if self.is_global_zero:
-                log_checkpointed(self._checkpointing, wrapped)
+    def _prepare_blocks(self, model: Any) -> None:
+        if self._block_config is not None:
+            for line in prepare_blocks(model, self._block_config):
+                if self.is_global_zero:
+                    log.info(line)
+            self._block_config = None
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         model = step_module.module.state_module
@@ -261,7 +262,7 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
             return self._pipelined(step_module, device)
         plan = _resolved_plan(model, self.options.plan)  # checked at any world size: a wrong name is refused
         if not self._group_ready():
-            self._checkpoint_blocks(model)
+            self._prepare_blocks(model)
             return step_module
         from torch.distributed.fsdp import FSDPModule
 
@@ -285,7 +286,7 @@ class ModelParallelStrategy(PipelineTraining, FSDPStrategy):
                 "configure_model(): parameters are split over a mesh that is not self.device_mesh['tensor_parallel']; "
                 "split over self.device_mesh['tensor_parallel'] (and shard over self.device_mesh['data_parallel'])"
             )
-        self._checkpoint_blocks(model)  # torchtitan's order: tensor parallel, activation checkpointing, fsdp
+        self._prepare_blocks(model)  # torchtitan's order: tensor parallel, activation checkpointing, fsdp
         if any(isinstance(m, FSDPModule) for m in model.modules()):
             if self.is_global_zero:
                 log.info(

@@ -42,6 +42,7 @@ __all__ = [
     "is_checkpoint_wrapped",
     "unwrapped_name",
     "inner_module",
+    "compiled_graphs",
 ]
 
 TORCH = torch.__version__  # a TorchVersion: compares as a version, TORCH < "2.13" (not as a string)
@@ -194,3 +195,10 @@ def unwrapped_name(name: str) -> str:
 def inner_module(module: torch.nn.Module) -> torch.nn.Module:
     """The module a checkpoint wrapper holds (the module itself when not wrapped)."""
     return getattr(module, "_checkpoint_wrapped_module", module) if is_checkpoint_wrapped(module) else module
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has made in this process so far (dynamo's own count; recompiles add to it)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

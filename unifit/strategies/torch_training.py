@@ -16,10 +16,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
 from unifit.strategies import sharded_state
-from unifit.strategies.activation_checkpointing import checkpoint_blocks
+from unifit.strategies.block_functions import prepare_blocks
 
 if TYPE_CHECKING:
-    from unifit.config.schema import ActivationCheckpointingConfig
+    from unifit.config.schema import TrainerConfig
     from unifit.strategies.torch_precision import Precision
 
 _PLAIN = contextlib.nullcontext()
@@ -72,10 +72,10 @@ class TorchTraining:
         wrapped = self.wrap_module(step_module, device)
         return wrapped, self.wrap_optimizer(optimizer, step_module.module, accumulate)
 
-    def checkpoint_activations(self, model: Any, config: ActivationCheckpointingConfig) -> list[str]:
-        """trainer.activation_checkpointing on `model`'s blocks, before the model is wrapped or sharded (a strategy
-        that splits the blocks first applies it itself, after the split); the blocks checkpointed."""
-        return checkpoint_blocks(model, config)
+    def prepare_blocks(self, model: Any, config: TrainerConfig) -> list[str]:
+        """Activation checkpointing and compiling per block on `model`, before the model is wrapped or sharded (a
+        strategy that splits the blocks first does it itself, after the split); the lines saying what was done."""
+        return prepare_blocks(model, config)
 
     def wrap_module(self, step_module: Any, device: Any) -> Any:
         """Wrap the model for gradient synchronisation (identity by default)."""

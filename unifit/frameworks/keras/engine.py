@@ -96,6 +96,11 @@ class KerasEngine(KerasEvaluation, Engine):
                 "trainer.accumulate_grad_batches: Keras modules train with 1 and no accumulation_schedule (gradient accumulation "
                 "is implemented for PyTorch modules only); raise batch_size instead"
             )
+        if cfg.compile == "blocks":
+            raise ConfigError(
+                "trainer.compile: blocks compiles a PyTorch model's blocks one by one; a Keras model's step is "
+                "compiled whole by XLA: set compile: true"
+            )
         if cfg.activation_checkpointing.mode != "none":
             raise ConfigError(
                 f"trainer.activation_checkpointing: {cfg.activation_checkpointing.mode} recomputes a PyTorch module's "

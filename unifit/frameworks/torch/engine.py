@@ -27,7 +27,7 @@ from unifit.frameworks.torch.module import restore_modes, training_modes
 from unifit.frameworks.torch.optimizers import parse_optimizers, scale_lrs
 from unifit.frameworks.torch.step_seams import STEP_HOOKS, StepSeams, _has_gradients, _loss_of
 from unifit.strategies import sharded_state
-from unifit.strategies.activation_checkpointing import log_checkpointed
+from unifit.strategies.block_compile import CompileReport
 from unifit.strategies.torch_device import torch_device
 from unifit.strategies.torch_precision import Precision, make_precision
 from unifit.strategies.torch_training import TorchTraining
@@ -115,9 +115,10 @@ class TorchEngine(TorchEvaluation, Engine):
         self._steps = 0
         training = self.training
         step_module = _StepModule(self.module)
-        checkpointed = training.checkpoint_activations(self.module.state_module, cfg.activation_checkpointing)
-        if strategy.is_global_zero:
-            log_checkpointed(cfg.activation_checkpointing, checkpointed)
+        for line in training.prepare_blocks(self.module.state_module, cfg):  # checkpointing, compiling per block
+            if strategy.is_global_zero:
+                log.info(line)
+        self._compile_report = CompileReport() if cfg.compile == "blocks" else None
         if manual:
             self.wrapped, self.optimizers = training.setup_manual(
                 step_module, self.optimizers, self.device, self.precision
@@ -143,7 +144,7 @@ class TorchEngine(TorchEvaluation, Engine):
             if training.routes_all_steps
             else self.module.validation_step
         )
-        if cfg.compile:
+        if cfg.compile is True:  # the whole step ("blocks": each block, above)
             self._forward = _compiled(self._forward)
         # what TorchTraining's default step amounts to in full precision without accumulation or
         # clipping: loss.backward(), optimizer.step(), zero_grad(), called without its layers
@@ -418,6 +419,9 @@ class TorchEngine(TorchEvaluation, Engine):
                 optimizer.zero_grad()
             self._mid_window = False
         self._epochs_done += 1
+        line = self._compile_report.line() if self._compile_report is not None else None
+        if line is not None and self.strategy.is_global_zero:
+            log.info(line)
 
     def _epoch_schedule(self) -> None:
         """The epoch-interval schedules step once per epoch, after the epoch's last optimizer step."""
